@@ -1,0 +1,1 @@
+//! Backends that execute the model: each implements prefill and decode.

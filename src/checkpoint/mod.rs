@@ -1,0 +1,1 @@
+//! Checkpoint files: memory-mapped safetensors (single or sharded) and typed tensor look-up.

@@ -1,0 +1,1 @@
+//! Model configuration: `config.json` parsed into the hyper-parameters and layer plan.

@@ -1,0 +1,4 @@
+//! The engine: sampling, stop conditions and the generation loop over a backend.
+
+pub mod sampler;
+pub mod stop;

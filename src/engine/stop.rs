@@ -1,0 +1,1 @@
+//! Stop conditions: EOS ids and stop strings matched across token boundaries.

@@ -1,0 +1,16 @@
+//! Lily: a single-process inference engine specialised for Qwen3.6-35B-A3B (`qwen3_5_moe`).
+//!
+//! The crate is laid out the way the engine works:
+//! - [`config`]: the model's hyper-parameters and layer plan, read from `config.json`;
+//! - [`checkpoint`]: memory-mapped safetensors files and tensor look-up;
+//! - [`model`]: the model's weights (described once, for every backend) and per-sequence state;
+//! - [`backend`]: implementations of prefill and decode (the CPU reference today);
+//! - [`engine`]: sampling, stop conditions and the generation loop;
+//! - [`text`]: tokenizer, streaming detokenisation and the chat template.
+
+pub mod backend;
+pub mod checkpoint;
+pub mod config;
+pub mod engine;
+pub mod model;
+pub mod text;

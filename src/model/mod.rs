@@ -1,0 +1,1 @@
+//! The model, described once for every backend: weights and per-sequence state.
