@@ -2,9 +2,13 @@
 
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
+use lily::backend::cpu::CpuBackend;
+use lily::backend::{Backend, LogitsFor};
+use lily::model::Model;
 use lily::text::chat_template::ChatTemplate;
 use lily::text::tokenizer::Tokenizer;
 
@@ -23,12 +27,46 @@ enum Command {
         #[arg(long)]
         model: PathBuf,
     },
+    /// Print the logits of every prompt position as JSON: `{"logits": [[...], ...]}`.
+    Logits {
+        /// Checkpoint directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// Prompt token ids, comma separated.
+        #[arg(long, value_parser = parse_ids)]
+        prompt_ids: Ids,
+        /// Compute with the prefill path (whole prompt at once) or the decode path (one token at a time).
+        #[arg(long, value_enum, default_value_t = PathKind::Prefill)]
+        path: PathKind,
+    },
     /// Read one JSON object on stdin (`messages`, `tools`, ...) and print the rendered chat prompt.
     Render {
         /// Checkpoint directory (holding the chat template).
         #[arg(long)]
         model: PathBuf,
     },
+}
+
+/// Token ids given on the command line.
+#[derive(Clone, Debug)]
+struct Ids(Vec<u32>);
+
+fn parse_ids(s: &str) -> Result<Ids, String> {
+    let ids = s
+        .split(',')
+        .map(|t| {
+            t.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("{t:?} is not a token id"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Ids(ids))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PathKind {
+    Prefill,
+    Decode,
 }
 
 fn main() {
@@ -44,6 +82,28 @@ fn run(cli: Cli) -> Result<()> {
             let tokenizer = Tokenizer::from_model_dir(&model)?;
             let text = read_stdin()?;
             println!("{}", serde_json::to_string(&tokenizer.encode(&text)?)?);
+        }
+        Command::Logits {
+            model,
+            prompt_ids,
+            path,
+        } => {
+            let backend = CpuBackend::new(Arc::new(Model::load(&model)?));
+            let ids = prompt_ids.0;
+            let vocab = backend.config().vocab_size;
+            let mut state = backend.new_state();
+            let logits = match path {
+                PathKind::Prefill => backend.prefill(&mut state, &ids, LogitsFor::All)?,
+                PathKind::Decode => {
+                    let mut all = Vec::with_capacity(ids.len() * vocab);
+                    for &id in &ids {
+                        all.extend(backend.decode(&mut [&mut state], &[id])?);
+                    }
+                    all
+                }
+            };
+            let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
+            println!("{}", serde_json::json!({ "logits": rows }));
         }
         Command::Render { model } => {
             let template = ChatTemplate::from_model_dir(&model)?;

@@ -1,1 +1,303 @@
 //! Checkpoint files: memory-mapped safetensors (single or sharded) and typed tensor look-up.
+//!
+//! Files are mapped, never read into memory whole: a [`Tensor`] is a typed view of a byte range
+//! of a mapping. Every error names the file and, where there is one, the tensor.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail, ensure};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+/// Element types lily computes with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    BF16,
+    F16,
+    F32,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::BF16 | DType::F16 => 2,
+            DType::F32 => 4,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::F32 => "f32",
+        })
+    }
+}
+
+/// A contiguous byte range of a mapped file.
+#[derive(Clone)]
+pub struct Bytes {
+    map: Arc<Mmap>,
+    start: usize,
+    len: usize,
+}
+
+impl Bytes {
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map[self.start..self.start + self.len]
+    }
+
+    /// The sub-range `[offset, offset + len)`.
+    pub fn slice(&self, offset: usize, len: usize) -> Bytes {
+        assert!(offset + len <= self.len, "byte range outside the tensor");
+        Bytes {
+            map: self.map.clone(),
+            start: self.start + offset,
+            len,
+        }
+    }
+}
+
+/// A tensor in a checkpoint file: name, element type, shape and its bytes in the mapping.
+#[derive(Clone)]
+pub struct Tensor {
+    pub name: String,
+    pub file: Arc<PathBuf>,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub bytes: Bytes,
+}
+
+impl Tensor {
+    /// Fails unless the tensor has exactly `expected` as its shape.
+    pub fn expect_shape(&self, expected: &[usize]) -> Result<()> {
+        ensure!(
+            self.shape == expected,
+            "tensor `{}` in {} has shape {:?}, expected {:?}",
+            self.name,
+            self.file.display(),
+            self.shape,
+            expected
+        );
+        Ok(())
+    }
+
+    /// Converts the elements to f32 (for small tensors: norms, gates, biases).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.shape.iter().product()];
+        convert_to_f32(self.dtype, self.bytes.as_slice(), &mut out);
+        out
+    }
+}
+
+/// Decodes `out.len()` little-endian elements of `dtype` from `bytes` into f32.
+pub fn convert_to_f32(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::BF16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+            }
+        }
+        DType::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        DType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+    }
+}
+
+struct TensorEntry {
+    file: usize,
+    dtype: Option<DType>,
+    raw_dtype: Dtype,
+    shape: Vec<usize>,
+    start: usize,
+    len: usize,
+}
+
+struct MappedFile {
+    path: Arc<PathBuf>,
+    map: Arc<Mmap>,
+}
+
+/// All safetensors files of a checkpoint directory, with an index of their tensors.
+pub struct Checkpoint {
+    dir: PathBuf,
+    files: Vec<MappedFile>,
+    tensors: HashMap<String, TensorEntry>,
+}
+
+impl Checkpoint {
+    /// Opens `DIR/model.safetensors.index.json` and its shards, or else every `*.safetensors`
+    /// file of the directory.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let paths = if index_path.exists() {
+            shard_paths(dir, &index_path)?
+        } else {
+            let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+                .with_context(|| format!("cannot read checkpoint directory {}", dir.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            paths.sort();
+            ensure!(
+                !paths.is_empty(),
+                "no model.safetensors.index.json and no *.safetensors file in {}",
+                dir.display()
+            );
+            paths
+        };
+        let mut checkpoint = Checkpoint {
+            dir: dir.to_path_buf(),
+            files: Vec::new(),
+            tensors: HashMap::new(),
+        };
+        for path in paths {
+            checkpoint.add_file(path)?;
+        }
+        Ok(checkpoint)
+    }
+
+    fn add_file(&mut self, path: PathBuf) -> Result<()> {
+        let file = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+        // SAFETY: the mapping is read-only; lily never writes checkpoint files while it runs.
+        let map = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("cannot map {}", path.display()))?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
+            anyhow::anyhow!(
+                "{} is not a valid safetensors file (truncated or corrupt): {e}",
+                path.display()
+            )
+        })?;
+        let data_start = 8 + header_len;
+        let file_idx = self.files.len();
+        for (name, info) in metadata.tensors() {
+            if let Some(previous) = self.tensors.get(&name) {
+                bail!(
+                    "tensor `{name}` appears in both {} and {}",
+                    self.files[previous.file].path.display(),
+                    path.display()
+                );
+            }
+            let (begin, end) = info.data_offsets;
+            self.tensors.insert(
+                name,
+                TensorEntry {
+                    file: file_idx,
+                    dtype: match info.dtype {
+                        Dtype::BF16 => Some(DType::BF16),
+                        Dtype::F16 => Some(DType::F16),
+                        Dtype::F32 => Some(DType::F32),
+                        _ => None,
+                    },
+                    raw_dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start: data_start + begin,
+                    len: end - begin,
+                },
+            );
+        }
+        self.files.push(MappedFile {
+            path: Arc::new(path),
+            map: Arc::new(map),
+        });
+        Ok(())
+    }
+
+    /// The checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Names of all tensors, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// Looks up a floating-point tensor by name.
+    pub fn tensor(&self, name: &str) -> Result<Tensor> {
+        let Some(entry) = self.tensors.get(name) else {
+            bail!(
+                "tensor `{name}` is missing from the checkpoint in {}",
+                self.dir.display()
+            );
+        };
+        let file = &self.files[entry.file];
+        let Some(dtype) = entry.dtype else {
+            bail!(
+                "tensor `{name}` in {} has dtype {:?}; expected bf16, f16 or f32",
+                file.path.display(),
+                entry.raw_dtype
+            );
+        };
+        Ok(Tensor {
+            name: name.to_string(),
+            file: file.path.clone(),
+            dtype,
+            shape: entry.shape.clone(),
+            bytes: Bytes {
+                map: file.map.clone(),
+                start: entry.start,
+                len: entry.len,
+            },
+        })
+    }
+}
+
+/// The shard files an index names, in a stable order, each checked to exist.
+fn shard_paths(dir: &Path, index_path: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index_path)
+        .with_context(|| format!("cannot read {}", index_path.display()))?;
+    let index: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", index_path.display()))?;
+    let map = index
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .with_context(|| format!("{}: field `weight_map` is missing", index_path.display()))?;
+    let mut files: Vec<&str> = Vec::new();
+    for (tensor, file) in map {
+        let file = file.as_str().with_context(|| {
+            format!(
+                "{}: weight_map entry for `{tensor}` is not a file name",
+                index_path.display()
+            )
+        })?;
+        ensure!(
+            !file.contains('/') && !file.contains('\\') && file != ".." && file != ".",
+            "{}: weight_map entry for `{tensor}` ({file:?}) is not a plain file name",
+            index_path.display()
+        );
+        if !files.contains(&file) {
+            files.push(file);
+        }
+    }
+    files.sort_unstable();
+    files
+        .into_iter()
+        .map(|f| {
+            let path = dir.join(f);
+            ensure!(
+                path.is_file(),
+                "{} names shard {f}, which is missing",
+                index_path.display()
+            );
+            Ok(path)
+        })
+        .collect()
+}
