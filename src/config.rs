@@ -280,13 +280,13 @@ impl ModelConfig {
             ensure!(v > 0, "field `{name}` must be positive");
         }
         ensure!(
-            self.num_attention_heads % self.num_key_value_heads == 0,
+            self.num_attention_heads.is_multiple_of(self.num_key_value_heads),
             "field `num_attention_heads` ({}) is not a multiple of `num_key_value_heads` ({})",
             self.num_attention_heads,
             self.num_key_value_heads
         );
         ensure!(
-            self.linear_num_value_heads % self.linear_num_key_heads == 0,
+            self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads),
             "field `linear_num_value_heads` ({}) is not a multiple of `linear_num_key_heads` ({})",
             self.linear_num_value_heads,
             self.linear_num_key_heads
@@ -298,7 +298,7 @@ impl ModelConfig {
             self.num_experts
         );
         ensure!(
-            self.rotary_dim % 2 == 0 && self.rotary_dim <= self.head_dim,
+            self.rotary_dim.is_multiple_of(2) && self.rotary_dim <= self.head_dim,
             "RoPE covers {} dimensions of head_dim {}: it must be even and at most head_dim",
             self.rotary_dim,
             self.head_dim
