@@ -280,13 +280,15 @@ impl ModelConfig {
             ensure!(v > 0, "field `{name}` must be positive");
         }
         ensure!(
-            self.num_attention_heads.is_multiple_of(self.num_key_value_heads),
+            self.num_attention_heads
+                .is_multiple_of(self.num_key_value_heads),
             "field `num_attention_heads` ({}) is not a multiple of `num_key_value_heads` ({})",
             self.num_attention_heads,
             self.num_key_value_heads
         );
         ensure!(
-            self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads),
+            self.linear_num_value_heads
+                .is_multiple_of(self.linear_num_key_heads),
             "field `linear_num_value_heads` ({}) is not a multiple of `linear_num_key_heads` ({})",
             self.linear_num_value_heads,
             self.linear_num_key_heads
