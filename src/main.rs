@@ -39,6 +39,13 @@ enum Command {
         #[arg(long, value_enum, default_value_t = PathKind::Prefill)]
         path: PathKind,
     },
+    /// Compile every CUDA kernel with NVRTC (no GPU needed); exits non-zero on any error.
+    #[cfg(feature = "cuda")]
+    Kernels {
+        /// Compile everything and report (the only mode).
+        #[arg(long)]
+        check: bool,
+    },
     /// Read one JSON object on stdin (`messages`, `tools`, ...) and print the rendered chat prompt.
     Render {
         /// Checkpoint directory (holding the chat template).
@@ -91,7 +98,7 @@ fn run(cli: Cli) -> Result<()> {
             let backend = CpuBackend::new(Arc::new(Model::load(&model)?));
             let ids = prompt_ids.0;
             let vocab = backend.config().vocab_size;
-            let mut state = backend.new_state();
+            let mut state = backend.new_state()?;
             let logits = match path {
                 PathKind::Prefill => backend.prefill(&mut state, &ids, LogitsFor::All)?,
                 PathKind::Decode => {
@@ -104,6 +111,11 @@ fn run(cli: Cli) -> Result<()> {
             };
             let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
             println!("{}", serde_json::json!({ "logits": rows }));
+        }
+        #[cfg(feature = "cuda")]
+        Command::Kernels { check } => {
+            anyhow::ensure!(check, "use `lily kernels --check`");
+            lily::backend::cuda::kernels::check_all()?;
         }
         Command::Render { model } => {
             let template = ChatTemplate::from_model_dir(&model)?;

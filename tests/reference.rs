@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use lily::backend::cpu::CpuBackend;
-use lily::backend::{Backend, LogitsFor};
+use lily::backend::{Backend, LogitsFor, argmax};
 use lily::model::Model;
 use safetensors::SafeTensors;
 
@@ -66,19 +66,9 @@ fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     max_diff / max_ref
 }
 
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// Decode-path logits: the prompt fed one token at a time.
 fn decode_logits(b: &CpuBackend, prompt: &[u32]) -> Vec<f32> {
-    let mut state = b.new_state();
+    let mut state = b.new_state().unwrap();
     prompt
         .iter()
         .flat_map(|&t| b.decode(&mut [&mut state], &[t]).unwrap())
@@ -90,7 +80,7 @@ fn prefill_logits_match_transformers() {
     for dir in fixtures() {
         let (b, g) = (backend(&dir), golden(&dir));
         for (prompt, want) in g.prompts.iter().zip(&g.logits) {
-            let mut state = b.new_state();
+            let mut state = b.new_state().unwrap();
             let got = b.prefill(&mut state, prompt, LogitsFor::All).unwrap();
             let err = relative_error(&got, want);
             assert!(err < TOLERANCE, "{}: prefill error {err}", dir.display());
@@ -115,7 +105,7 @@ fn greedy_continuation_matches_transformers() {
         let (b, g) = (backend(&dir), golden(&dir));
         let eos = &b.config().eos_token_ids;
         for (prompt, want) in g.prompts.iter().zip(&g.greedy) {
-            let mut state = b.new_state();
+            let mut state = b.new_state().unwrap();
             let mut logits = b.prefill(&mut state, prompt, LogitsFor::Last).unwrap();
             let mut got = Vec::new();
             while got.len() < want.len() {
@@ -139,7 +129,7 @@ fn prefill_then_decode_equals_decode_only() {
         let vocab = b.config().vocab_size;
         let only_decode = decode_logits(&b, prompt);
         // Prefill in two uneven pieces (crossing a 64-token chunk), then decode the rest.
-        let mut state = b.new_state();
+        let mut state = b.new_state().unwrap();
         let mut got = b
             .prefill(&mut state, &prompt[..70], LogitsFor::All)
             .unwrap();
@@ -161,11 +151,11 @@ fn batched_decode_equals_single_decode_and_states_clone() {
     let dir = &fixtures()[0];
     let (b, g) = (backend(dir), golden(dir));
     let (p0, p1) = (&g.prompts[0], &g.prompts[1]);
-    let mut s0 = b.new_state();
-    let mut s1 = b.new_state();
+    let mut s0 = b.new_state().unwrap();
+    let mut s1 = b.new_state().unwrap();
     b.prefill(&mut s0, p0, LogitsFor::Last).unwrap();
     b.prefill(&mut s1, p1, LogitsFor::Last).unwrap();
-    let mut fork = s1.clone();
+    let mut fork = b.fork(&s1).unwrap();
     let batched = b.decode(&mut [&mut s0, &mut s1], &[5, 9]).unwrap();
     let single = b.decode(&mut [&mut fork], &[9]).unwrap();
     let vocab = b.config().vocab_size;
@@ -181,7 +171,7 @@ fn batched_decode_equals_single_decode_and_states_clone() {
 fn out_of_vocabulary_token_is_an_error() {
     let dir = &fixtures()[0];
     let b = backend(dir);
-    let mut state = b.new_state();
+    let mut state = b.new_state().unwrap();
     let vocab = b.config().vocab_size as u32;
     let err = b
         .prefill(&mut state, &[1, vocab], LogitsFor::Last)

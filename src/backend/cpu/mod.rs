@@ -72,8 +72,12 @@ impl Backend for CpuBackend {
         &self.model.config
     }
 
-    fn new_state(&self) -> SequenceState {
-        SequenceState::new(&self.model.config)
+    fn new_state(&self) -> Result<SequenceState> {
+        Ok(SequenceState::new(&self.model.config))
+    }
+
+    fn fork(&self, state: &SequenceState) -> Result<SequenceState> {
+        Ok(state.clone())
     }
 
     fn prefill(

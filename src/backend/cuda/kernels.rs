@@ -1,0 +1,143 @@
+//! Compiling lily's CUDA kernels with NVRTC, for sm_90a, at start-up.
+//!
+//! Every `.cu` module is compiled with `common.cuh` and `rowdot.cuh` prepended. The PTX is cached
+//! on disk (`$LILY_CACHE_DIR`, else `$XDG_CACHE_HOME/lily`, else `~/.cache/lily`) under a hash of
+//! the source and options, so a second start skips compilation. Headers come from
+//! `CUDA_INCLUDE_DIR`, `$CUDA_PATH/include` or `/usr/local/cuda/include`.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+/// The architecture every kernel is compiled for (Hopper with its `a` features).
+pub const ARCH: &str = "sm_90a";
+
+const PRELUDE: &[&str] = &[
+    include_str!("kernels/common.cuh"),
+    include_str!("kernels/rowdot.cuh"),
+];
+
+/// Kernel modules: (name, source).
+pub const MODULES: &[(&str, &str)] = &[
+    ("matvec", include_str!("kernels/matvec.cu")),
+    ("deltanet", include_str!("kernels/deltanet.cu")),
+    ("attention", include_str!("kernels/attention.cu")),
+    ("moe", include_str!("kernels/moe.cu")),
+    ("sample", include_str!("kernels/sample.cu")),
+    ("fill", include_str!("kernels/fill.cu")),
+];
+
+/// Where the CUDA headers NVRTC needs are found.
+pub fn include_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CUDA_INCLUDE_DIR") {
+        return PathBuf::from(dir);
+    }
+    if let Some(root) = std::env::var_os("CUDA_PATH") {
+        return PathBuf::from(root).join("include");
+    }
+    PathBuf::from("/usr/local/cuda/include")
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("LILY_CACHE_DIR") {
+        return Some(PathBuf::from(dir));
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(dir).join("lily"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lily"))
+}
+
+fn options() -> CompileOptions {
+    CompileOptions {
+        arch: Some(ARCH),
+        include_paths: vec![include_dir().display().to_string()],
+        options: vec!["--std=c++17".into(), "-lineinfo".into()],
+        use_fast_math: Some(false),
+        ..Default::default()
+    }
+}
+
+/// The full source of module `name`: the prelude, then the module.
+fn full_source(src: &str) -> String {
+    let mut s = PRELUDE.join("\n");
+    s.push('\n');
+    s.push_str(src);
+    s
+}
+
+/// Compiles one module (or takes it from the cache).
+pub fn compile(name: &str, src: &str, use_cache: bool) -> Result<Ptx> {
+    let source = full_source(src);
+    let opts = options();
+    let mut hasher = DefaultHasher::new();
+    source.hash(&mut hasher);
+    format!("{opts:?}").hash(&mut hasher);
+    let cached = cache_dir().map(|d| d.join(format!("{name}-{:016x}.ptx", hasher.finish())));
+    if use_cache
+        && let Some(path) = &cached
+        && let Ok(ptx) = std::fs::read_to_string(path)
+    {
+        return Ok(Ptx::from_src(ptx));
+    }
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&source, opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+            anyhow::anyhow!(
+                "kernel module `{name}` failed to compile:\n{}",
+                log.to_string_lossy()
+            )
+        }
+        other => anyhow::anyhow!(
+            "kernel module `{name}`: NVRTC failed ({other:?}); is libnvrtc on the library path and \
+             are the CUDA headers in {}?",
+            include_dir().display()
+        ),
+    })?;
+    if let Some(path) = &cached {
+        // A cache that cannot be written only costs the next start a compilation.
+        let _ = std::fs::create_dir_all(path.parent().unwrap_or(path))
+            .and_then(|_| std::fs::write(path, ptx.to_src()));
+    }
+    Ok(ptx)
+}
+
+/// `lily kernels --check`: compiles every module without the cache; reports and fails on errors.
+pub fn check_all() -> Result<()> {
+    let mut failed = Vec::new();
+    for (name, src) in MODULES {
+        let start = Instant::now();
+        match compile(name, src, false) {
+            Ok(_) => println!("ok     {name} ({:.2} s)", start.elapsed().as_secs_f64()),
+            Err(e) => {
+                println!("FAILED {name}\n{e:#}");
+                failed.push(*name);
+            }
+        }
+    }
+    if !failed.is_empty() {
+        bail!(
+            "{} kernel module(s) failed: {}",
+            failed.len(),
+            failed.join(", ")
+        );
+    }
+    println!("all {} kernel modules compiled for {ARCH}", MODULES.len());
+    Ok(())
+}
+
+/// Compiles every module, for loading into a context.
+pub fn compile_all() -> Result<Vec<(&'static str, Ptx)>> {
+    MODULES
+        .iter()
+        .map(|(name, src)| {
+            Ok((
+                *name,
+                compile(name, src, true).context("compiling kernels")?,
+            ))
+        })
+        .collect()
+}

@@ -1,0 +1,60 @@
+// Shared definitions for lily's CUDA kernels: the weight descriptor every mat-vec kernel takes,
+// bf16 conversion, and warp/block reductions. Prepended to every kernel source by the host.
+#include <cuda_bf16.h>
+// NVRTC has no C library headers: the fixed-width types are spelled out.
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+
+typedef __nv_bfloat16 bf16;
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+// A weight matrix [rows, cols] on the device: dense bf16 (bits == 16) or MLX affine-quantised
+// (bits 4 or 8: `data` holds uint32 words, 32/bits values each, first value in the low bits;
+// one bf16 scale and bias per `group` consecutive inputs of a row; value = scale * q + bias).
+struct Weight {
+    const void* data;
+    const bf16* scales;
+    const bf16* biases;
+    int rows;
+    int cols;
+    int bits;
+    int group;
+};
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t v) {
+    return __uint_as_float(((uint32_t)v) << 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds at least 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
+
+// Values held by one 16-byte load of a row.
+__device__ __forceinline__ int values_per_chunk(int bits) { return 128 / bits; }

@@ -1,0 +1,38 @@
+// Decode mat-vec products y = W x for one token, for every weight format (bf16, MLX 4/8-bit),
+// and the embedding lookup. The row arithmetic lives in rowdot.cuh.
+
+// y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds). `norm_scale` non-null:
+// x is RMS-normalised and scaled first.
+extern "C" __global__ void matvec(Weight w, const float* x, const float* norm_scale, float eps, float* y,
+                                  int accumulate) {
+    extern __shared__ float smem[];
+    float* scratch = smem;
+    float* xs = smem + 32;
+    float* gsum = xs + w.cols;
+    stage_input(w, x, norm_scale, eps, xs, gsum, scratch);
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < w.rows; row += gridDim.x * warps) {
+        float v = row_dot(w, row, xs, gsum, lane);
+        if (lane == 0) y[row] = accumulate ? y[row] + v : v;
+    }
+}
+
+// x = row `token[0]` of the embedding table, dequantised to f32.
+extern "C" __global__ void embed(Weight w, const int* token, float* x) {
+    const int row = token[0];
+    const int cols = w.cols;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < cols; i += gridDim.x * blockDim.x) {
+        float v;
+        if (w.bits == 16) {
+            v = bf16_to_f32(static_cast<const uint16_t*>(w.data)[(size_t)row * cols + i]);
+        } else {
+            const int per_word = 32 / w.bits;
+            const uint32_t word = static_cast<const uint32_t*>(w.data)[((size_t)row * cols + i) / per_word];
+            const uint32_t q = (word >> (w.bits * (i % per_word))) & ((1u << w.bits) - 1u);
+            const size_t g = (size_t)row * (cols / w.group) + i / w.group;
+            v = __bfloat162float(w.scales[g]) * (float)q + __bfloat162float(w.biases[g]);
+        }
+        x[i] = v;
+    }
+}

@@ -1,0 +1,826 @@
+//! The CUDA backend (H200, sm_90a): hand-written kernels for batch-1 decode, replayed as CUDA
+//! graphs.
+//!
+//! A decode step is one graph: embedding; per layer a fused input-norm + projection mat-vec,
+//! the fused Gated DeltaNet step or the attention kernels, the output projection added to the
+//! residual, then the router mat-vec and the two MoE kernels; final norm + lm_head; argmax. Every
+//! step-dependent value (position, input token) lives in device memory, so the graph captured
+//! for a sequence slot is replayed unchanged and no host synchronisation happens inside a step.
+//!
+//! Sequences live in a fixed pool of slots (KV cache for `max_context` positions, conv ring and
+//! recurrent state per DeltaNet layer); a [`CudaState`] holds a slot and gives it back on drop.
+//! Prefill currently runs the decode graph once per prompt token.
+
+pub mod kernels;
+pub mod weights;
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, Result, bail, ensure};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
+
+use self::weights::{DeviceMixer, DeviceModel, DeviceWeight, WeightFormat, ptr};
+use super::{Backend, LogitsFor};
+use crate::config::{LayerKind, ModelConfig};
+use crate::model::Model;
+
+/// Threads of a mat-vec block: 8 warps, one row each at a time.
+const MATVEC_THREADS: u32 = 256;
+/// Context splits of attention decode (flash-decoding).
+const ATTENTION_SPLITS: usize = 32;
+/// Blocks of the first argmax pass.
+const ARGMAX_BLOCKS: usize = 256;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DeltaNetDims {
+    key_heads: i32,
+    value_heads: i32,
+    key_dim: i32,
+    value_dim: i32,
+    kernel: i32,
+    eps: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttentionDims {
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    rotary_dim: i32,
+    max_context: i32,
+    splits: i32,
+    eps: f32,
+    rope_theta: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeDims {
+    experts: i32,
+    top_k: i32,
+    intermediate: i32,
+    shared_intermediate: i32,
+    hidden: i32,
+    eps: f32,
+}
+
+// SAFETY: plain old data mirroring the structs of the same names in the kernel sources.
+unsafe impl DeviceRepr for DeltaNetDims {}
+unsafe impl DeviceRepr for AttentionDims {}
+unsafe impl DeviceRepr for MoeDims {}
+
+/// Kernels that fill device memory (synthetic weights).
+pub struct Fill {
+    bf16: CudaFunction,
+    u32: CudaFunction,
+}
+
+impl Fill {
+    fn launch_cfg(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    pub fn bf16(&self, s: &CudaStream, out: u64, n: usize, seed: u64, scale: f32) -> Result<()> {
+        let n64 = n as u64;
+        let mut b = s.launch_builder(&self.bf16);
+        b.arg(&out).arg(&n64).arg(&seed).arg(&scale);
+        // SAFETY: `out` points to `n` bf16 values allocated by the caller.
+        unsafe { b.launch(Self::launch_cfg(n)) }?;
+        Ok(())
+    }
+
+    pub fn u32(&self, s: &CudaStream, out: u64, n: usize, seed: u64) -> Result<()> {
+        let n64 = n as u64;
+        let mut b = s.launch_builder(&self.u32);
+        b.arg(&out).arg(&n64).arg(&seed);
+        // SAFETY: `out` points to `n` u32 values allocated by the caller.
+        unsafe { b.launch(Self::launch_cfg(n)) }?;
+        Ok(())
+    }
+}
+
+struct Kernels {
+    matvec: CudaFunction,
+    embed: CudaFunction,
+    deltanet_step: CudaFunction,
+    attention_prepare: CudaFunction,
+    attention_split: CudaFunction,
+    attention_combine: CudaFunction,
+    moe_gate_up: CudaFunction,
+    moe_down: CudaFunction,
+    argmax_partial: CudaFunction,
+    argmax_final: CudaFunction,
+    advance_position: CudaFunction,
+}
+
+/// Activations of one decode step, shared by all sequences (steps run one after another).
+struct Scratch {
+    x: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    core: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    part_max: CudaSlice<f32>,
+    part_sum: CudaSlice<f32>,
+    part_out: CudaSlice<f32>,
+    router_logits: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    arg_val: CudaSlice<f32>,
+    arg_idx: CudaSlice<i32>,
+}
+
+/// A CUDA graph that may be replayed from whichever thread drives the backend.
+struct Graph(CudaGraph);
+// SAFETY: a graph exec handle is a driver object usable from any thread once the context is
+// current; cudarc binds the context before every launch. The backend serialises launches.
+unsafe impl Send for Graph {}
+
+/// The device memory of one sequence.
+struct Slot {
+    position: CudaSlice<i32>,
+    token: CudaSlice<i32>,
+    /// Per attention layer: keys and values, bf16 `[max_context, kv_heads, head_dim]`.
+    kv: Vec<(CudaSlice<u16>, CudaSlice<u16>)>,
+    /// Per DeltaNet layer: conv input ring `[kernel, conv_dim]` and recurrent state.
+    conv: Vec<CudaSlice<f32>>,
+    recurrent: Vec<CudaSlice<f32>>,
+    greedy_graph: Option<Graph>,
+    logits_graph: Option<Graph>,
+}
+
+/// The per-sequence handle: a slot of the backend's pool.
+pub struct CudaState {
+    slot: usize,
+    position: usize,
+    /// The token the device already holds as the next input (chosen by its own argmax).
+    device_token: Option<u32>,
+    free: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Drop for CudaState {
+    fn drop(&mut self) {
+        if let Ok(mut free) = self.free.lock() {
+            free.push(self.slot);
+        }
+    }
+}
+
+/// Runs a model on one CUDA device.
+pub struct CudaBackend {
+    config: ModelConfig,
+    _ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    k: Kernels,
+    model: DeviceModel,
+    scratch: Scratch,
+    slots: Mutex<Vec<Slot>>,
+    free: Arc<Mutex<Vec<usize>>>,
+    max_context: usize,
+    num_sms: u32,
+}
+
+/// Options of the CUDA backend.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaOptions {
+    /// Longest sequence (prompt + output) a slot holds.
+    pub max_context: usize,
+    /// Sequences that can be alive at once.
+    pub max_sequences: usize,
+}
+
+impl CudaBackend {
+    /// Uploads a loaded model to device 0.
+    pub fn new(model: &Model, opts: CudaOptions) -> Result<Self> {
+        let (ctx, stream, k, fill) = Self::init()?;
+        let bar = indicatif::ProgressBar::new(model.layers.len() as u64).with_message("uploading");
+        let weights = DeviceModel::upload(&stream, model, |i| bar.set_position(i as u64))?;
+        bar.finish_and_clear();
+        drop(fill);
+        Self::assemble(model.config.clone(), ctx, stream, k, weights, opts)
+    }
+
+    /// Random weights of `config`'s shapes, made on the device (benchmarks).
+    pub fn synthetic(
+        config: &ModelConfig,
+        format: WeightFormat,
+        opts: CudaOptions,
+    ) -> Result<Self> {
+        let (ctx, stream, k, fill) = Self::init()?;
+        let weights = DeviceModel::synthetic(&stream, &fill, config, format)?;
+        stream.synchronize()?;
+        Self::assemble(config.clone(), ctx, stream, k, weights, opts)
+    }
+
+    fn init() -> Result<(Arc<CudaContext>, Arc<CudaStream>, Kernels, Fill)> {
+        let ctx = CudaContext::new(0).context("no CUDA device (is the NVIDIA driver loaded?)")?;
+        // SAFETY: lily uses one stream, so cudarc's cross-stream event tracking is not needed
+        // (and its events would get in the way of graph capture).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let mut functions = std::collections::HashMap::new();
+        for (name, ptx) in kernels::compile_all()? {
+            let module = ctx
+                .load_module(ptx)
+                .with_context(|| format!("loading kernel module `{name}`"))?;
+            for f in kernel_names(name) {
+                functions.insert(*f, module.load_function(f)?);
+            }
+        }
+        let mut get = |name: &str| {
+            functions
+                .remove(name)
+                .with_context(|| format!("kernel `{name}` missing"))
+        };
+        let k = Kernels {
+            matvec: get("matvec")?,
+            embed: get("embed")?,
+            deltanet_step: get("deltanet_step")?,
+            attention_prepare: get("attention_prepare")?,
+            attention_split: get("attention_split")?,
+            attention_combine: get("attention_combine")?,
+            moe_gate_up: get("moe_gate_up")?,
+            moe_down: get("moe_down")?,
+            argmax_partial: get("argmax_partial")?,
+            argmax_final: get("argmax_final")?,
+            advance_position: get("advance_position")?,
+        };
+        let fill = Fill {
+            bf16: get("fill_bf16")?,
+            u32: get("fill_u32")?,
+        };
+        Ok((ctx, stream, k, fill))
+    }
+
+    fn assemble(
+        config: ModelConfig,
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        k: Kernels,
+        model: DeviceModel,
+        opts: CudaOptions,
+    ) -> Result<Self> {
+        let c = &config;
+        ensure!(
+            opts.max_sequences > 0,
+            "the CUDA backend needs at least one sequence slot"
+        );
+        ensure!(
+            c.head_dim.is_multiple_of(32) && c.head_dim <= 256,
+            "head_dim {} unsupported by the CUDA kernels (a multiple of 32, at most 256)",
+            c.head_dim
+        );
+        ensure!(
+            c.linear_value_head_dim <= 1024
+                && (c.linear_key_head_dim <= 32 || c.linear_key_head_dim.is_multiple_of(32)),
+            "DeltaNet head dims {}x{} unsupported by the CUDA kernels",
+            c.linear_key_head_dim,
+            c.linear_value_head_dim
+        );
+        ensure!(
+            c.num_experts_per_tok <= 32,
+            "top-k above 32 unsupported by the CUDA kernels"
+        );
+        let heads_hd = c.num_attention_heads * c.head_dim;
+        let proj = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
+            .max(heads_hd * 2 + 2 * c.num_key_value_heads * c.head_dim);
+        let inter = c
+            .moe_intermediate_size
+            .max(c.shared_expert_intermediate_size);
+        let z = |n: usize| stream.alloc_zeros::<f32>(n.max(1));
+        let scratch = Scratch {
+            x: z(c.hidden_size)?,
+            proj: z(proj)?,
+            core: z(c.linear_value_dim().max(heads_hd))?,
+            q: z(heads_hd)?,
+            part_max: z(c.num_attention_heads * ATTENTION_SPLITS)?,
+            part_sum: z(c.num_attention_heads * ATTENTION_SPLITS)?,
+            part_out: z(heads_hd * ATTENTION_SPLITS)?,
+            router_logits: z(c.num_experts + 1)?,
+            act: z((c.num_experts_per_tok + 1) * inter)?,
+            ids: stream.alloc_zeros::<i32>(c.num_experts_per_tok + 1)?,
+            weights: z(c.num_experts_per_tok + 1)?,
+            logits: z(c.vocab_size)?,
+            arg_val: z(ARGMAX_BLOCKS)?,
+            arg_idx: stream.alloc_zeros::<i32>(ARGMAX_BLOCKS)?,
+        };
+        let mut slots = Vec::with_capacity(opts.max_sequences);
+        for _ in 0..opts.max_sequences {
+            slots.push(Self::new_slot(&stream, c, opts.max_context)?);
+        }
+        let num_sms = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
+        stream.synchronize()?;
+        Ok(Self {
+            config,
+            _ctx: ctx,
+            stream,
+            k,
+            model,
+            scratch,
+            slots: Mutex::new(slots),
+            free: Arc::new(Mutex::new((0..opts.max_sequences).rev().collect())),
+            max_context: opts.max_context,
+            num_sms,
+        })
+    }
+
+    fn new_slot(stream: &Arc<CudaStream>, c: &ModelConfig, max_context: usize) -> Result<Slot> {
+        let kv_len = max_context * c.num_key_value_heads * c.head_dim;
+        let mut slot = Slot {
+            position: stream.alloc_zeros::<i32>(1)?,
+            token: stream.alloc_zeros::<i32>(1)?,
+            kv: Vec::new(),
+            conv: Vec::new(),
+            recurrent: Vec::new(),
+            greedy_graph: None,
+            logits_graph: None,
+        };
+        for kind in &c.layer_kinds {
+            match kind {
+                LayerKind::FullAttention => slot.kv.push((
+                    stream.alloc_zeros::<u16>(kv_len)?,
+                    stream.alloc_zeros::<u16>(kv_len)?,
+                )),
+                LayerKind::LinearAttention => {
+                    slot.conv.push(
+                        stream
+                            .alloc_zeros::<f32>(c.linear_conv_kernel_dim * c.linear_conv_dim())?,
+                    );
+                    slot.recurrent.push(stream.alloc_zeros::<f32>(
+                        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
+                    )?);
+                }
+            }
+        }
+        Ok(slot)
+    }
+
+    /// Bytes of weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.model.bytes()
+    }
+
+    /// Device memory in use (weights, slots, scratch and the driver's own), from the driver.
+    pub fn device_memory_used(&self) -> Result<usize> {
+        let (free, total) = cudarc::driver::result::mem_get_info()?;
+        Ok(total - free)
+    }
+
+    fn matvec_cfg(&self, w: &DeviceWeight) -> LaunchConfig {
+        let warps = MATVEC_THREADS as usize / 32;
+        let blocks = w.rows.div_ceil(warps).min(self.num_sms as usize * 8);
+        let groups = if w.bits == 16 { 0 } else { w.cols / w.group };
+        LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (MATVEC_THREADS, 1, 1),
+            shared_mem_bytes: ((32 + w.cols + groups) * 4) as u32,
+        }
+    }
+
+    /// y = W · (x, RMS-normalised by `norm` when given); added to y when `accumulate`.
+    fn matvec(
+        &self,
+        w: &DeviceWeight,
+        x: u64,
+        norm: Option<u64>,
+        y: u64,
+        accumulate: bool,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let desc = w.desc(s);
+        let norm = norm.unwrap_or(0);
+        let eps = self.config.rms_norm_eps;
+        let acc = accumulate as i32;
+        let mut b = s.launch_builder(&self.k.matvec);
+        b.arg(&desc).arg(&x).arg(&norm).arg(&eps).arg(&y).arg(&acc);
+        // SAFETY: buffers sized at construction for these shapes.
+        unsafe { b.launch(self.matvec_cfg(w)) }?;
+        Ok(())
+    }
+
+    /// Issues one decode step for `slot` on the stream (for capture into a graph).
+    fn record_step(&self, slot: &Slot, greedy: bool) -> Result<()> {
+        let (c, s, sc, m) = (&self.config, &self.stream, &self.scratch, &self.model);
+        let p = |x: &CudaSlice<f32>| ptr(x, s);
+        let (x, proj, core) = (p(&sc.x), p(&sc.proj), p(&sc.core));
+        let position = ptr(&slot.position, s);
+        let token = ptr(&slot.token, s);
+        let eps = c.rms_norm_eps;
+
+        let embed = m.embed.desc(s);
+        let mut b = s.launch_builder(&self.k.embed);
+        b.arg(&embed).arg(&token).arg(&x);
+        // SAFETY: x holds hidden_size floats; the token is checked on the host.
+        unsafe { b.launch(cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0)) }?;
+
+        let (mut attn_i, mut gdn_i) = (0, 0);
+        for layer in &m.layers {
+            match &layer.mixer {
+                DeviceMixer::DeltaNet {
+                    in_proj,
+                    out_proj,
+                    conv_w,
+                    a_log,
+                    dt_bias,
+                    norm,
+                } => {
+                    self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false)?;
+                    let dims = DeltaNetDims {
+                        key_heads: c.linear_num_key_heads as i32,
+                        value_heads: c.linear_num_value_heads as i32,
+                        key_dim: c.linear_key_head_dim as i32,
+                        value_dim: c.linear_value_head_dim as i32,
+                        kernel: c.linear_conv_kernel_dim as i32,
+                        eps,
+                    };
+                    let groups = (c.linear_key_head_dim / 32).max(1);
+                    let threads = c.linear_value_head_dim * groups;
+                    let smem =
+                        (2 * c.linear_key_head_dim + c.linear_value_head_dim + threads + 32) * 4;
+                    let (conv, rec) = (p(&slot.conv[gdn_i]), p(&slot.recurrent[gdn_i]));
+                    let (cw, al, dtb, nw) = (p(conv_w), p(a_log), p(dt_bias), p(norm));
+                    let mut b = s.launch_builder(&self.k.deltanet_step);
+                    b.arg(&dims)
+                        .arg(&proj)
+                        .arg(&conv)
+                        .arg(&cw)
+                        .arg(&al)
+                        .arg(&dtb)
+                        .arg(&nw)
+                        .arg(&rec)
+                        .arg(&position)
+                        .arg(&core);
+                    // SAFETY: shapes checked at construction.
+                    unsafe {
+                        b.launch(cfg(
+                            c.linear_num_value_heads as u32,
+                            1,
+                            threads as u32,
+                            smem as u32,
+                        ))
+                    }?;
+                    self.matvec(out_proj, core, None, x, true)?;
+                    gdn_i += 1;
+                }
+                DeviceMixer::Attention {
+                    qkv,
+                    o_proj,
+                    q_norm,
+                    k_norm,
+                } => {
+                    self.matvec(qkv, x, Some(p(&layer.input_norm)), proj, false)?;
+                    let dims = AttentionDims {
+                        heads: c.num_attention_heads as i32,
+                        kv_heads: c.num_key_value_heads as i32,
+                        head_dim: c.head_dim as i32,
+                        rotary_dim: c.rotary_dim as i32,
+                        max_context: self.max_context as i32,
+                        splits: ATTENTION_SPLITS as i32,
+                        eps,
+                        rope_theta: c.rope_theta as f32,
+                    };
+                    let (kc, vc) = (ptr(&slot.kv[attn_i].0, s), ptr(&slot.kv[attn_i].1, s));
+                    let (qn, kn, q) = (p(q_norm), p(k_norm), p(&sc.q));
+                    let mut b = s.launch_builder(&self.k.attention_prepare);
+                    b.arg(&dims)
+                        .arg(&proj)
+                        .arg(&qn)
+                        .arg(&kn)
+                        .arg(&position)
+                        .arg(&q)
+                        .arg(&kc)
+                        .arg(&vc);
+                    let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
+                    // SAFETY: the host checks position < max_context before each step.
+                    unsafe {
+                        b.launch(cfg(blocks, 1, c.head_dim as u32, (c.head_dim * 4) as u32))
+                    }?;
+                    let (pm, ps, po) = (p(&sc.part_max), p(&sc.part_sum), p(&sc.part_out));
+                    let mut b = s.launch_builder(&self.k.attention_split);
+                    b.arg(&dims)
+                        .arg(&q)
+                        .arg(&kc)
+                        .arg(&vc)
+                        .arg(&position)
+                        .arg(&pm)
+                        .arg(&ps)
+                        .arg(&po);
+                    let group = (c.num_attention_heads / c.num_key_value_heads) as u32;
+                    // SAFETY: partial buffers hold heads * splits entries.
+                    unsafe {
+                        b.launch(cfg(
+                            c.num_key_value_heads as u32,
+                            ATTENTION_SPLITS as u32,
+                            32 * group,
+                            0,
+                        ))
+                    }?;
+                    let mut b = s.launch_builder(&self.k.attention_combine);
+                    b.arg(&dims)
+                        .arg(&proj)
+                        .arg(&pm)
+                        .arg(&ps)
+                        .arg(&po)
+                        .arg(&core);
+                    // SAFETY: as above.
+                    unsafe {
+                        b.launch(cfg(c.num_attention_heads as u32, 1, c.head_dim as u32, 0))
+                    }?;
+                    self.matvec(o_proj, core, None, x, true)?;
+                    attn_i += 1;
+                }
+            }
+            self.moe(layer, x)?;
+        }
+        let logits = p(&sc.logits);
+        self.matvec(&m.lm_head, x, Some(p(&m.final_norm)), logits, false)?;
+        if greedy {
+            let (av, ai) = (p(&sc.arg_val), ptr(&sc.arg_idx, s));
+            let n = c.vocab_size as i32;
+            let mut b = s.launch_builder(&self.k.argmax_partial);
+            b.arg(&logits).arg(&n).arg(&av).arg(&ai);
+            // SAFETY: partial buffers hold ARGMAX_BLOCKS entries.
+            unsafe { b.launch(cfg(ARGMAX_BLOCKS as u32, 1, 256, 0)) }?;
+            let parts = ARGMAX_BLOCKS as i32;
+            let mut b = s.launch_builder(&self.k.argmax_final);
+            b.arg(&av).arg(&ai).arg(&parts).arg(&token).arg(&position);
+            // SAFETY: one warp over the partials.
+            unsafe { b.launch(cfg(1, 1, 32, 0)) }?;
+        } else {
+            let mut b = s.launch_builder(&self.k.advance_position);
+            b.arg(&position);
+            // SAFETY: one thread increments the slot's position.
+            unsafe { b.launch(cfg(1, 1, 1, 0)) }?;
+        }
+        Ok(())
+    }
+
+    /// The MoE block of a layer, added to the residual `x`.
+    fn moe(&self, layer: &weights::DeviceLayer, x: u64) -> Result<()> {
+        let (c, s, sc) = (&self.config, &self.stream, &self.scratch);
+        let router = ptr(&sc.router_logits, s);
+        let post = ptr(&layer.post_norm, s);
+        self.matvec(&layer.router, x, Some(post), router, false)?;
+        let dims = MoeDims {
+            experts: c.num_experts as i32,
+            top_k: c.num_experts_per_tok as i32,
+            intermediate: c.moe_intermediate_size as i32,
+            shared_intermediate: c.shared_expert_intermediate_size as i32,
+            hidden: c.hidden_size as i32,
+            eps: c.rms_norm_eps,
+        };
+        let (act, ids, weights) = (ptr(&sc.act, s), ptr(&sc.ids, s), ptr(&sc.weights, s));
+        let (g, u, sg, su) = (
+            layer.gate.desc(s),
+            layer.up.desc(s),
+            layer.shared_gate.desc(s),
+            layer.shared_up.desc(s),
+        );
+        let inter = c
+            .moe_intermediate_size
+            .max(c.shared_expert_intermediate_size);
+        let groups = if layer.gate.bits == 16 {
+            0
+        } else {
+            c.hidden_size / layer.gate.group
+        };
+        let smem = (32 + c.hidden_size + groups) * 4;
+        let mut b = s.launch_builder(&self.k.moe_gate_up);
+        b.arg(&dims)
+            .arg(&g)
+            .arg(&u)
+            .arg(&sg)
+            .arg(&su)
+            .arg(&x)
+            .arg(&post)
+            .arg(&router)
+            .arg(&act)
+            .arg(&ids)
+            .arg(&weights);
+        let row_blocks = inter.div_ceil(MATVEC_THREADS as usize / 32) as u32;
+        let slots = (c.num_experts_per_tok + 1) as u32;
+        // SAFETY: act holds (top_k + 1) * inter floats.
+        unsafe { b.launch(cfg(row_blocks, slots, MATVEC_THREADS, smem as u32)) }?;
+
+        let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
+        let per_slot = inter + inter / 32 + 1;
+        let smem = (32 + slots as usize * per_slot) * 4;
+        let mut b = s.launch_builder(&self.k.moe_down);
+        b.arg(&dims)
+            .arg(&d)
+            .arg(&sd)
+            .arg(&act)
+            .arg(&ids)
+            .arg(&weights)
+            .arg(&x);
+        let blocks = c.hidden_size.div_ceil(MATVEC_THREADS as usize / 32) as u32;
+        // SAFETY: as above; each output row is owned by one warp.
+        unsafe { b.launch(cfg(blocks, 1, MATVEC_THREADS, smem as u32)) }?;
+        Ok(())
+    }
+
+    /// Runs one decode step for the state's slot (capturing its graph on first use).
+    fn step(&self, state: &mut CudaState, token: u32, greedy: bool) -> Result<()> {
+        ensure!(
+            (token as usize) < self.config.vocab_size,
+            "token id {token} is outside the vocabulary (size {})",
+            self.config.vocab_size
+        );
+        if state.position >= self.max_context {
+            bail!(
+                "the sequence reached the context limit of {} tokens",
+                self.max_context
+            );
+        }
+        let mut slots = self
+            .slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let slot = &mut slots[state.slot];
+        if state.device_token != Some(token) {
+            self.stream.memcpy_htod(&[token as i32], &mut slot.token)?;
+        }
+        let captured = if greedy {
+            &slot.greedy_graph
+        } else {
+            &slot.logits_graph
+        };
+        if captured.is_none() {
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let recorded = self.record_step(slot, greedy);
+            let graph = self.stream.end_capture(
+                CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )?;
+            recorded?;
+            let graph = graph.context("capturing the decode step produced no graph")?;
+            if greedy {
+                slot.greedy_graph = Some(Graph(graph));
+            } else {
+                slot.logits_graph = Some(Graph(graph));
+            }
+        }
+        let graph = if greedy {
+            &slot.greedy_graph
+        } else {
+            &slot.logits_graph
+        };
+        graph.as_ref().map(|g| g.0.launch()).transpose()?;
+        state.position += 1;
+        state.device_token = None;
+        Ok(())
+    }
+
+    /// Copies the logits of the last step to the host.
+    fn read_logits(&self) -> Result<Vec<f32>> {
+        Ok(self.stream.clone_dtoh(&self.scratch.logits)?)
+    }
+}
+
+impl Backend for CudaBackend {
+    type State = CudaState;
+
+    /// Greedy decode with the argmax on the device: only the chosen ids come back.
+    fn decode_greedy(&self, states: &mut [&mut CudaState], tokens: &[u32]) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(states.len());
+        for (state, &t) in states.iter_mut().zip(tokens) {
+            self.step(state, t, true)?;
+            let slots = self
+                .slots
+                .lock()
+                .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+            let id = self.stream.clone_dtoh(&slots[state.slot].token)?[0] as u32;
+            state.device_token = Some(id);
+            out.push(id);
+        }
+        Ok(out)
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn new_state(&self) -> Result<CudaState> {
+        let slot = self
+            .free
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?
+            .pop()
+            .context("all CUDA sequence slots are in use")?;
+        let mut slots = self
+            .slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let sl = &mut slots[slot];
+        self.stream.memset_zeros(&mut sl.position)?;
+        for c in &mut sl.conv {
+            self.stream.memset_zeros(c)?;
+        }
+        for r in &mut sl.recurrent {
+            self.stream.memset_zeros(r)?;
+        }
+        Ok(CudaState {
+            slot,
+            position: 0,
+            device_token: None,
+            free: self.free.clone(),
+        })
+    }
+
+    fn fork(&self, state: &CudaState) -> Result<CudaState> {
+        let mut fork = self.new_state()?;
+        let mut slots = self
+            .slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let (src, dst) = two_mut(&mut slots, state.slot, fork.slot);
+        let s = &self.stream;
+        s.memcpy_dtod(&src.position, &mut dst.position)?;
+        s.memcpy_dtod(&src.token, &mut dst.token)?;
+        for (a, b) in src.kv.iter().zip(dst.kv.iter_mut()) {
+            s.memcpy_dtod(&a.0, &mut b.0)?;
+            s.memcpy_dtod(&a.1, &mut b.1)?;
+        }
+        for (a, b) in src.conv.iter().zip(dst.conv.iter_mut()) {
+            s.memcpy_dtod(a, b)?;
+        }
+        for (a, b) in src.recurrent.iter().zip(dst.recurrent.iter_mut()) {
+            s.memcpy_dtod(a, b)?;
+        }
+        drop(slots);
+        fork.position = state.position;
+        fork.device_token = state.device_token;
+        Ok(fork)
+    }
+
+    fn prefill(&self, state: &mut CudaState, tokens: &[u32], which: LogitsFor) -> Result<Vec<f32>> {
+        ensure!(!tokens.is_empty(), "prefill needs at least one token");
+        let mut out = Vec::new();
+        for (i, &t) in tokens.iter().enumerate() {
+            self.step(state, t, false)?;
+            if which == LogitsFor::All || i + 1 == tokens.len() {
+                out.extend(self.read_logits()?);
+            }
+        }
+        Ok(out)
+    }
+
+    fn decode(&self, states: &mut [&mut CudaState], tokens: &[u32]) -> Result<Vec<f32>> {
+        ensure!(
+            states.len() == tokens.len(),
+            "decode got {} sequences but {} tokens",
+            states.len(),
+            tokens.len()
+        );
+        let mut out = Vec::with_capacity(states.len() * self.config.vocab_size);
+        for (state, &t) in states.iter_mut().zip(tokens) {
+            self.step(state, t, false)?;
+            out.extend(self.read_logits()?);
+        }
+        Ok(out)
+    }
+}
+
+fn two_mut<T>(v: &mut [T], a: usize, b: usize) -> (&T, &mut T) {
+    if a < b {
+        let (l, r) = v.split_at_mut(b);
+        (&l[a], &mut r[0])
+    } else {
+        let (l, r) = v.split_at_mut(a);
+        (&r[0], &mut l[b])
+    }
+}
+
+fn cfg(gx: u32, gy: u32, threads: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (gx, gy, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+/// The `extern "C"` kernels each module defines.
+fn kernel_names(module: &str) -> &'static [&'static str] {
+    match module {
+        "matvec" => &["matvec", "embed"],
+        "deltanet" => &["deltanet_step"],
+        "attention" => &["attention_prepare", "attention_split", "attention_combine"],
+        "moe" => &["moe_gate_up", "moe_down"],
+        "sample" => &["argmax_partial", "argmax_final", "advance_position"],
+        "fill" => &["fill_bf16", "fill_u32"],
+        _ => &[],
+    }
+}
