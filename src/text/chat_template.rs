@@ -18,7 +18,7 @@ use std::path::Path;
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use minijinja::syntax::SyntaxConfig;
-use minijinja::value::{Kwargs, Rest, Value, ValueKind, from_args};
+use minijinja::value::{Kwargs, Value, ValueKind, from_args};
 use minijinja::{Environment, Error, ErrorKind, Output, State};
 use serde_json::{Map, Value as Json};
 
@@ -80,7 +80,10 @@ impl ChatTemplate {
             Err(e) if e.kind() == IoErrorKind::NotFound => {
                 let origin = format!("{} (chat_template)", config_path.display());
                 match config.as_ref().and_then(|c| c.get("chat_template")) {
-                    None | Some(Json::Null) => Self::from_source(CHATML_TEMPLATE)?,
+                    None | Some(Json::Null) => Self::compile(
+                        vec![(DEFAULT_NAME.to_owned(), CHATML_TEMPLATE.to_owned())],
+                        "built-in ChatML template".to_owned(),
+                    )?,
                     Some(json) => {
                         Self::compile(named_templates(json).context(origin.clone())?, origin)?
                     }
@@ -345,6 +348,8 @@ fn environment() -> Environment<'static> {
         .build()
         .expect("the default delimiters are valid");
     env.set_syntax(syntax);
+    // transformers' environment never escapes output, whatever a template's name.
+    env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
     env.set_unknown_method_callback(py_method);
     env.set_formatter(|out: &mut Output, _: &mut State, value: &Value| {
         out.write_str(&py_str(value)).map_err(Error::from)
@@ -356,7 +361,29 @@ fn environment() -> Environment<'static> {
     env.add_filter("trim", |value: &Value, chars: Option<Cow<'_, str>>| {
         py_strip(&py_str(value), chars.as_deref(), Ends::Both).to_owned()
     });
+    env.add_filter(
+        "int",
+        |state: &State,
+         value: &Value,
+         default: Option<Value>,
+         base: Option<u32>,
+         kwargs: Kwargs| {
+            // jinja2 falls back to 0 (not an error) for what it cannot convert, and strips whitespace.
+            let default = default.or(kwargs.get("default")?).unwrap_or(Value::from(0));
+            minijinja::filters::int(state, &stripped(value), Some(default), base, kwargs)
+        },
+    );
+    env.add_filter(
+        "float",
+        |state: &State, value: &Value, default: Option<Value>, kwargs: Kwargs| {
+            let default = default
+                .or(kwargs.get("default")?)
+                .unwrap_or(Value::from(0.0));
+            minijinja::filters::float(state, &stripped(value), Some(default), kwargs)
+        },
+    );
     env.add_test("sequence", is_sequence);
+    env.add_test("iterable", is_iterable);
     env
 }
 
@@ -400,7 +427,8 @@ fn strftime_now(format: Cow<'_, str>) -> Result<String, Error> {
 }
 
 /// Python methods on values (`s.startswith(...)`, `d.items()`, ...), from `minijinja_contrib`,
-/// except those where Python's idea of whitespace and line breaks (wider than Rust's) matters.
+/// except those where Python's idea of whitespace and line breaks (wider than Rust's) matters,
+/// and `title`, which Python and jinja2's filter of the same name do differently.
 fn py_method(
     state: &mut State,
     value: &Value,
@@ -435,6 +463,10 @@ fn py_method(
             };
             let maxsplit = maxsplit.and_then(|n| usize::try_from(n).ok());
             py_split(s, sep, maxsplit, method == "rsplit").map(Value::from)
+        }
+        "title" => {
+            let () = from_args(args)?;
+            Ok(Value::from(py_title(s)))
         }
         "splitlines" => {
             let (keepends,): (Option<bool>,) = from_args(args)?;
@@ -506,9 +538,11 @@ fn py_split(
                     parts.push(rest.to_owned());
                     break;
                 }
-                let at = rest.rfind(is_py_space).map_or(0, |i| {
-                    i + rest[i..].chars().next().map_or(1, char::len_utf8)
-                });
+                let at = rest
+                    .char_indices()
+                    .rev()
+                    .find(|&(_, c)| is_py_space(c))
+                    .map_or(0, |(i, c)| i + c.len_utf8());
                 parts.push(rest[at..].to_owned());
                 rest = py_strip(&rest[..at], None, Ends::End);
             }
@@ -528,6 +562,23 @@ fn py_split(
         }
     }
     Ok(parts)
+}
+
+/// Python's `str.title()`: a cased letter is upper-cased after an uncased character and
+/// lower-cased after a cased one (so "they're" becomes "They'Re", unlike jinja2's `title` filter).
+fn py_title(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut previous_cased = false;
+    for c in s.chars() {
+        let cased = c.is_lowercase() || c.is_uppercase();
+        match (cased, previous_cased) {
+            (true, true) => out.extend(c.to_lowercase()),
+            (true, false) => out.extend(c.to_uppercase()),
+            (false, _) => out.push(c),
+        }
+        previous_cased = cased;
+    }
+    out
 }
 
 /// Python's `str.splitlines(keepends)`, which breaks at every Unicode line boundary.
@@ -564,6 +615,19 @@ fn is_sequence(value: &Value) -> bool {
             value.kind(),
             ValueKind::String | ValueKind::Seq | ValueKind::Map | ValueKind::Bytes
         )
+}
+
+/// jinja2's `iterable` test: what Python's `iter()` accepts, so not `none` or numbers.
+fn is_iterable(value: &Value) -> bool {
+    is_sequence(value) || value.kind() == ValueKind::Iterable
+}
+
+/// A string without the surrounding whitespace Python's `int()` and `float()` ignore.
+fn stripped(value: &Value) -> Value {
+    match value.as_str().filter(|_| value.kind() == ValueKind::String) {
+        Some(s) => Value::from(py_strip(s, None, Ends::Both)),
+        None => value.clone(),
+    }
 }
 
 /// Python's `str(value)`, which jinja2 uses to print values and in the `string` filter.
@@ -653,8 +717,7 @@ fn py_float_repr(x: f64) -> String {
 /// transformers' `tojson` filter: Python's
 /// `json.dumps(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`, with the
 /// same parameters, positional or by keyword.
-fn tojson(value: &Value, args: Rest<Value>) -> Result<String, Error> {
-    let (positional, kwargs): (&[Value], Kwargs) = from_args(&args)?;
+fn tojson(value: &Value, positional: &[Value], kwargs: Kwargs) -> Result<String, Error> {
     if positional.len() > TOJSON_PARAMS.len() {
         return Err(Error::new(
             ErrorKind::TooManyArguments,
