@@ -56,6 +56,10 @@ impl ChatTemplate {
     /// `chat_template` in `tokenizer_config.json` (a string, or a list of `{name, template}`),
     /// else the built-in ChatML template. Special tokens come from `tokenizer_config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self> {
+        // Checked first so that a mistyped path is not mistaken for a checkpoint without files.
+        if !dir.is_dir() {
+            bail!("{}: not a model directory", dir.display());
+        }
         let config_path = dir.join(TOKENIZER_CONFIG);
         let config = match std::fs::read_to_string(&config_path) {
             Ok(text) => {
