@@ -161,16 +161,15 @@ def test_named_templates(case, tmp_path):
 
 def test_named_templates_without_default(tmp_path):
     directory = write_model(tmp_path, config_template=[{"name": "tool_use", "template": "x"}])
-    case_input = {"messages": [{"role": "user", "content": "Hi"}]}
-    assert_same(reference(directory, case_input), lily(directory, case_input))
+    case = {"input": {"messages": [{"role": "user", "content": "Hi"}]}, "error": "with no default specified"}
+    check_case(case, directory)
 
 
 def test_jinja_file_wins_over_tokenizer_config(tmp_path):
     directory = write_model(tmp_path, jinja="from the file", config_template="from the config")
     case_input = {"messages": [{"role": "user", "content": "Hi"}]}
-    expected = reference(directory, case_input)
-    assert expected == "from the file"
-    assert_same(expected, lily(directory, case_input))
+    assert reference(directory, case_input) == "from the file"
+    check_case({"input": case_input}, directory)
 
 
 @pytest.mark.parametrize(
@@ -184,7 +183,7 @@ def test_jinja_file_wins_over_tokenizer_config(tmp_path):
 def test_special_tokens(case_input, tmp_path):
     config = {**TOKENIZER_CONFIG, "extra_special_tokens": {"audio_token": "<|audio_pad|>"}}
     directory = write_model(tmp_path, jinja=SPECIAL_TOKENS_TEMPLATE, config=config)
-    assert_same(reference(directory, case_input), lily(directory, case_input))
+    check_case({"input": case_input}, directory)
 
 
 def chatml(messages, add_generation_prompt):
