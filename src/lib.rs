@@ -3,6 +3,7 @@
 //! The crate is laid out the way the engine works:
 //! - [`config`]: the model's hyper-parameters and layer plan, read from `config.json`;
 //! - [`checkpoint`]: memory-mapped safetensors files and tensor look-up;
+//! - [`quant`]: MLX affine quantisation (settings, math, bit packing);
 //! - [`model`]: the model's weights (described once, for every backend) and per-sequence state;
 //! - [`backend`]: implementations of prefill and decode (the CPU reference today);
 //! - [`engine`]: sampling, stop conditions and the generation loop;
@@ -13,4 +14,5 @@ pub mod checkpoint;
 pub mod config;
 pub mod engine;
 pub mod model;
+pub mod quant;
 pub mod text;

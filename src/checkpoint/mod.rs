@@ -77,15 +77,16 @@ pub struct Tensor {
 impl Tensor {
     /// Fails unless the tensor has exactly `expected` as its shape.
     pub fn expect_shape(&self, expected: &[usize]) -> Result<()> {
-        ensure!(
-            self.shape == expected,
-            "tensor `{}` in {} has shape {:?}, expected {:?}",
-            self.name,
-            self.file.display(),
-            self.shape,
-            expected
-        );
-        Ok(())
+        check_shape(&self.name, &self.file, &self.shape, expected)
+    }
+
+    /// The same bytes viewed as `[rows, cols]`; the element count must be the same.
+    pub fn reshaped(&self, rows: usize, cols: usize) -> Tensor {
+        debug_assert_eq!(rows * cols, self.shape.iter().product::<usize>());
+        Tensor {
+            shape: vec![rows, cols],
+            ..self.clone()
+        }
     }
 
     /// Converts the elements to f32 (for small tensors: norms, gates, biases).
@@ -94,6 +95,31 @@ impl Tensor {
         convert_to_f32(self.dtype, self.bytes.as_slice(), &mut out);
         out
     }
+}
+
+/// A tensor of uint32 words in a checkpoint file: packed quantised values.
+#[derive(Clone)]
+pub struct PackedTensor {
+    pub name: String,
+    pub file: Arc<PathBuf>,
+    pub shape: Vec<usize>,
+    pub bytes: Bytes,
+}
+
+impl PackedTensor {
+    /// Fails unless the tensor has exactly `expected` as its shape.
+    pub fn expect_shape(&self, expected: &[usize]) -> Result<()> {
+        check_shape(&self.name, &self.file, &self.shape, expected)
+    }
+}
+
+fn check_shape(name: &str, file: &Path, shape: &[usize], expected: &[usize]) -> Result<()> {
+    ensure!(
+        shape == expected,
+        "tensor `{name}` in {} has shape {shape:?}, expected {expected:?}",
+        file.display(),
+    );
+    Ok(())
 }
 
 /// Decodes `out.len()` little-endian elements of `dtype` from `bytes` into f32.
@@ -232,13 +258,7 @@ impl Checkpoint {
 
     /// Looks up a floating-point tensor by name.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        let Some(entry) = self.tensors.get(name) else {
-            bail!(
-                "tensor `{name}` is missing from the checkpoint in {}",
-                self.dir.display()
-            );
-        };
-        let file = &self.files[entry.file];
+        let (entry, file) = self.entry(name)?;
         let Some(dtype) = entry.dtype else {
             bail!(
                 "tensor `{name}` in {} has dtype {:?}; expected bf16, f16 or f32",
@@ -251,12 +271,45 @@ impl Checkpoint {
             file: file.path.clone(),
             dtype,
             shape: entry.shape.clone(),
-            bytes: Bytes {
-                map: file.map.clone(),
-                start: entry.start,
-                len: entry.len,
-            },
+            bytes: file.bytes(entry),
         })
+    }
+
+    /// Looks up a tensor of packed uint32 words by name.
+    pub fn packed_tensor(&self, name: &str) -> Result<PackedTensor> {
+        let (entry, file) = self.entry(name)?;
+        ensure!(
+            entry.raw_dtype == Dtype::U32,
+            "tensor `{name}` in {} has dtype {:?}; packed quantised weights are U32",
+            file.path.display(),
+            entry.raw_dtype
+        );
+        Ok(PackedTensor {
+            name: name.to_string(),
+            file: file.path.clone(),
+            shape: entry.shape.clone(),
+            bytes: file.bytes(entry),
+        })
+    }
+
+    fn entry(&self, name: &str) -> Result<(&TensorEntry, &MappedFile)> {
+        let Some(entry) = self.tensors.get(name) else {
+            bail!(
+                "tensor `{name}` is missing from the checkpoint in {}",
+                self.dir.display()
+            );
+        };
+        Ok((entry, &self.files[entry.file]))
+    }
+}
+
+impl MappedFile {
+    fn bytes(&self, entry: &TensorEntry) -> Bytes {
+        Bytes {
+            map: self.map.clone(),
+            start: entry.start,
+            len: entry.len,
+        }
     }
 }
 
