@@ -30,6 +30,27 @@ impl DType {
     }
 }
 
+impl DType {
+    /// The safetensors element type of the same name.
+    pub fn safetensors(self) -> Dtype {
+        match self {
+            DType::BF16 => Dtype::BF16,
+            DType::F16 => Dtype::F16,
+            DType::F32 => Dtype::F32,
+        }
+    }
+
+    /// The dtype a `config.json` names (`torch_dtype`, `dtype`), if lily computes with it.
+    pub fn from_config_name(name: &str) -> Option<Self> {
+        match name {
+            "bfloat16" => Some(DType::BF16),
+            "float16" => Some(DType::F16),
+            "float32" => Some(DType::F32),
+            _ => None,
+        }
+    }
+}
+
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -140,6 +161,41 @@ pub fn convert_to_f32(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
+    }
+}
+
+/// Appends `values` to `out` as little-endian elements of `dtype`, rounding to nearest-even.
+pub fn convert_from_f32(dtype: DType, values: &[f32], out: &mut Vec<u8>) {
+    out.reserve(values.len() * dtype.size());
+    match dtype {
+        DType::BF16 => {
+            for &v in values {
+                out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for &v in values {
+                out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            }
+        }
+        DType::F32 => {
+            for &v in values {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Rounds `values` in place to the nearest values `dtype` can hold, as a cast to it would.
+pub fn round_to(dtype: DType, values: &mut [f32]) {
+    match dtype {
+        DType::BF16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        DType::F16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        DType::F32 => {}
     }
 }
 

@@ -46,7 +46,8 @@ pub struct QuantizedStorage {
 }
 
 impl Matrix {
-    fn dense(t: &Tensor, rows: usize, cols: usize) -> Result<Self> {
+    /// Views a float tensor of exactly `[rows, cols]` as a dense matrix.
+    pub fn dense(t: &Tensor, rows: usize, cols: usize) -> Result<Self> {
         t.expect_shape(&[rows, cols])?;
         Ok(Self {
             rows,
@@ -229,7 +230,7 @@ impl Model {
 
 /// The naming and storage conventions of a checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Layout {
+pub enum Layout {
     /// Hugging Face exports (multimodal `model.language_model.` or text-only `model.` prefix):
     /// RMSNorm weights `w` stored as such (scale `1 + w`), conv1d `[channels, 1, kernel]`, experts
     /// packed (`experts.gate_up_proj`/`experts.down_proj`) or one tensor per expert.
@@ -241,9 +242,10 @@ enum Layout {
 }
 
 impl Layout {
-    const MLX_PREFIX: &'static str = "language_model.model.";
+    pub const MLX_PREFIX: &'static str = "language_model.model.";
 
-    fn detect(checkpoint: &Checkpoint) -> Result<Self> {
+    /// Recognises the layout from the name of the embedding tensor.
+    pub fn detect(checkpoint: &Checkpoint) -> Result<Self> {
         let has_embedding = |p: &str| checkpoint.contains(&format!("{p}embed_tokens.weight"));
         if has_embedding(Self::MLX_PREFIX) {
             return Ok(Layout::Mlx);
@@ -263,7 +265,7 @@ impl Layout {
     }
 
     /// The prefix of the text model's tensors (all but lm_head).
-    fn prefix(self) -> &'static str {
+    pub fn prefix(self) -> &'static str {
         match self {
             Layout::HuggingFace { prefix } => prefix,
             Layout::Mlx => Self::MLX_PREFIX,
@@ -271,7 +273,7 @@ impl Layout {
     }
 
     /// The module path of lm_head.
-    fn lm_head_path(self) -> &'static str {
+    pub fn lm_head_path(self) -> &'static str {
         match self {
             Layout::HuggingFace { .. } => "lm_head",
             Layout::Mlx => "language_model.lm_head",
