@@ -79,6 +79,11 @@ pub struct ConvertSummary {
 
 /// Converts the checkpoint in `src` into a new MLX-LM checkpoint directory `dst`.
 pub fn convert(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<ConvertSummary> {
+    convert_inner(src, dst, options)
+        .with_context(|| format!("converting {} into {}", src.display(), dst.display()))
+}
+
+fn convert_inner(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<ConvertSummary> {
     let started = Instant::now();
     let config_path = src.join("config.json");
     let config_text = std::fs::read_to_string(&config_path)
@@ -165,12 +170,14 @@ pub fn convert(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Conve
     })
 }
 
-/// The dtype MLX-LM casts float tensors to: `torch_dtype`, else `text_config.dtype`, when it is
-/// a float type (otherwise tensors keep their own).
+/// The dtype MLX-LM casts float tensors to: `torch_dtype`, else the text model's `dtype`
+/// (`text_config.dtype`; in a text-only config, its own), when it is a float type (otherwise
+/// tensors keep their own).
 fn target_dtype(root: &Value) -> Option<DType> {
+    let text = root.get("text_config").unwrap_or(root);
     let named = match root.get("torch_dtype").filter(|v| !v.is_null()) {
         Some(v) => Some(v),
-        None => root.get("text_config").and_then(|t| t.get("dtype")),
+        None => text.get("dtype"),
     };
     named
         .and_then(Value::as_str)

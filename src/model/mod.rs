@@ -317,6 +317,11 @@ impl<'a> Loader<'a> {
         let rows = outer.iter().product();
         let weight_name = format!("{path}.weight");
         let Some(spec) = self.quant_spec(path, cols)? else {
+            ensure!(
+                self.checkpoint.packed_tensor(&weight_name).is_err(),
+                "tensor `{weight_name}` holds packed quantised values but `{path}.scales` is \
+                 missing from the checkpoint"
+            );
             let t = self.checkpoint.tensor(&weight_name)?;
             t.expect_shape(shape)?;
             return Matrix::dense(&t.reshaped(rows, cols), rows, cols);
