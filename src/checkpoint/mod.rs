@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use memmap2::Mmap;
+use memmap2::{Mmap, UncheckedAdvice};
 use safetensors::{Dtype, SafeTensors};
 
 /// Element types lily computes with.
@@ -72,6 +72,20 @@ pub struct Bytes {
 impl Bytes {
     pub fn as_slice(&self) -> &[u8] {
         &self.map[self.start..self.start + self.len]
+    }
+
+    /// Tells the kernel these bytes will not be read again soon: their pages leave the process's
+    /// resident set (they stay in the page cache, and a later read faults them back in). Streaming
+    /// readers call this so that memory use stays bounded by what they hold, not what they read.
+    pub fn release_resident(&self) {
+        // SAFETY: the mapping is shared and read-only, so dropped pages are read again from the
+        // file on the next access, unchanged; nothing in lily holds them across this call.
+        let result = unsafe {
+            self.map
+                .unchecked_advise_range(UncheckedAdvice::DontNeed, self.start, self.len)
+        };
+        // Only a hint: if the kernel declines, memory use is merely higher.
+        drop(result);
     }
 
     /// The sub-range `[offset, offset + len)`.

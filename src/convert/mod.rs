@@ -258,16 +258,13 @@ impl Output {
             let block_rows = (BLOCK_VALUES / cols).max(1);
             for start in (0..part.rows).step_by(block_rows) {
                 let count = block_rows.min(part.rows - start);
-                let mut values = vec![0.0f32; count * cols];
-                part.rows_to_f32(start, &mut values);
-                if self.add_one {
-                    values.iter_mut().for_each(|v| *v += 1.0);
-                }
+                let values = self.source_rows(part, start, count);
+                // Done with these source rows: their pages need not stay resident.
+                part.row_block(start, count).release_resident();
                 bytes.clear();
                 match self.encoding {
                     Encoding::Dense(dtype) => convert_from_f32(dtype, &values, &mut bytes),
                     Encoding::Quantized { spec, dtype } => {
-                        round_to(dtype, &mut values);
                         let q = quantize_rows(spec, &values, cols);
                         bytes.extend(q.words.iter().flat_map(|w| w.to_le_bytes()));
                         convert_from_f32(dtype, &q.scales, &mut scales);
@@ -280,6 +277,25 @@ impl Output {
         out.write_all(&scales)?;
         out.write_all(&biases)?;
         Ok(())
+    }
+
+    /// Rows `[start, start + count)` of `part` as f32, with the `+1` applied and, before
+    /// quantisation, rounded to the dtype MLX-LM casts to.
+    fn source_rows(&self, part: &Matrix, start: usize, count: usize) -> Vec<f32> {
+        let mut values = vec![0.0f32; count * part.cols];
+        values
+            .par_chunks_exact_mut(part.cols)
+            .enumerate()
+            .for_each(|(i, row)| {
+                part.rows_to_f32(start + i, row);
+                if self.add_one {
+                    row.iter_mut().for_each(|v| *v += 1.0);
+                }
+                if let Encoding::Quantized { dtype, .. } = self.encoding {
+                    round_to(dtype, row);
+                }
+            });
+        values
     }
 }
 

@@ -60,7 +60,7 @@ impl Matrix {
     }
 
     /// Rows `[start, start + count)` as a matrix of their own (no copy).
-    fn row_block(&self, start: usize, count: usize) -> Matrix {
+    pub fn row_block(&self, start: usize, count: usize) -> Matrix {
         let storage = match &self.storage {
             Storage::Dense { dtype, bytes } => {
                 let row = self.cols * dtype.size();
@@ -85,6 +85,19 @@ impl Matrix {
             rows: count,
             cols: self.cols,
             storage,
+        }
+    }
+
+    /// Lets the kernel drop the matrix's pages from the resident set (see
+    /// [`Bytes::release_resident`]).
+    pub fn release_resident(&self) {
+        match &self.storage {
+            Storage::Dense { bytes, .. } => bytes.release_resident(),
+            Storage::Quantized(q) => {
+                q.words.release_resident();
+                q.scales.release_resident();
+                q.biases.release_resident();
+            }
         }
     }
 
