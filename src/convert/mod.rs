@@ -123,7 +123,32 @@ fn convert_inner(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Con
     let staging = StagingDir::create(dst)?;
     let shards = split_into_shards(&plan.outputs, options.max_shard_bytes);
     let written_bytes: usize = plan.outputs.iter().map(Output::byte_len).sum();
-    let progress = progress_bar(options.progress, written_bytes);
+    write_shards(staging.path(), &shards, written_bytes, options.progress)?;
+    copy_side_files(src, staging.path())?;
+    write_json(
+        &staging.path().join("config.json"),
+        &output_config(&root, src, &quantization)?,
+    )?;
+    Model::load(staging.path()).context("checking that the converted checkpoint loads")?;
+    staging.commit(dst)?;
+
+    Ok(ConvertSummary {
+        source_bytes: plan.outputs.iter().map(Output::source_bytes).sum(),
+        written_bytes,
+        tensors: plan.outputs.iter().map(|o| o.headers().len()).sum(),
+        shards: shards.len(),
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// Writes the shard files and their index into `dir`.
+fn write_shards(
+    dir: &Path,
+    shards: &[Vec<&Output>],
+    total_bytes: usize,
+    show_progress: bool,
+) -> Result<()> {
+    let progress = progress_bar(show_progress, total_bytes);
     let mut weight_map = BTreeMap::new();
     for (i, shard) in shards.iter().enumerate() {
         let file = shard_file_name(i, shards.len());
@@ -131,7 +156,7 @@ fn convert_inner(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Con
         for h in &headers {
             weight_map.insert(h.name.clone(), file.clone());
         }
-        writer::write_safetensors(&staging.path().join(&file), &headers, |out| {
+        writer::write_safetensors(&dir.join(&file), &headers, |out| {
             let mut out = progress.wrap_write(out);
             for output in shard {
                 output
@@ -142,32 +167,8 @@ fn convert_inner(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Con
         })?;
     }
     progress.finish_and_clear();
-    let parameters = plan.outputs.iter().map(Output::parameters).sum();
-    write_index(staging.path(), written_bytes, parameters, weight_map)?;
-    copy_side_files(src, staging.path())?;
-    write_json(
-        &staging.path().join("config.json"),
-        &output_config(&root, src, &quantization)?,
-    )?;
-    Model::load(staging.path()).context("checking that the converted checkpoint loads")?;
-    staging.commit(dst)?;
-
-    let source_bytes = plan
-        .outputs
-        .iter()
-        .flat_map(|o| &o.rows)
-        .map(|m| match &m.storage {
-            Storage::Dense { dtype, .. } => m.rows * m.cols * dtype.size(),
-            Storage::Quantized(_) => 0,
-        })
-        .sum();
-    Ok(ConvertSummary {
-        source_bytes,
-        written_bytes,
-        tensors: plan.outputs.iter().map(|o| o.headers().len()).sum(),
-        shards: shards.len(),
-        seconds: started.elapsed().as_secs_f64(),
-    })
+    let parameters = shards.iter().flatten().map(|o| o.parameters()).sum();
+    write_index(dir, total_bytes, parameters, weight_map)
 }
 
 /// The dtype MLX-LM casts float tensors to: `torch_dtype`, else the text model's `dtype`
@@ -242,6 +243,11 @@ impl Output {
 
     fn byte_len(&self) -> usize {
         self.headers().iter().map(TensorHeader::byte_len).sum()
+    }
+
+    /// Bytes of source tensors this output reads.
+    fn source_bytes(&self) -> usize {
+        self.rows.iter().map(Matrix::stored_bytes).sum()
     }
 
     /// Parameters as MLX-LM counts them: the values before quantisation.

@@ -88,6 +88,17 @@ impl Matrix {
         }
     }
 
+    /// Bytes the matrix occupies in its file.
+    pub fn stored_bytes(&self) -> usize {
+        match &self.storage {
+            Storage::Dense { bytes, .. } => bytes.as_slice().len(),
+            Storage::Quantized(q) => [&q.words, &q.scales, &q.biases]
+                .iter()
+                .map(|b| b.as_slice().len())
+                .sum(),
+        }
+    }
+
     /// Lets the kernel drop the matrix's pages from the resident set (see
     /// [`Bytes::release_resident`]).
     pub fn release_resident(&self) {
