@@ -118,7 +118,7 @@ fn convert_inner(src: &Path, dst: &Path, options: &ConvertOptions) -> Result<Con
         overrides: Vec::new(),
     };
     plan.build()?;
-    let quantization = Quantization::new(options.spec, plan.overrides.clone());
+    let quantization = Quantization::new(options.spec, std::mem::take(&mut plan.overrides));
 
     let staging = StagingDir::create(dst)?;
     let shards = split_into_shards(&plan.outputs, options.max_shard_bytes);
