@@ -8,7 +8,7 @@
 //! `config.json` with the `quantization` block. Tokenizer, template and generation files are copied.
 //!
 //! Conversion streams: the source stays memory-mapped, each output tensor is produced a block of
-//! rows at a time and written straight into its shard (see [`writer`]), so memory stays bounded
+//! rows at a time and written straight into its shard (see `writer`), so memory stays bounded
 //! whatever the model size. Everything is written into a staging directory that is renamed into
 //! place only after the result loads back.
 
