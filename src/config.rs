@@ -1,7 +1,8 @@
 //! Model configuration: `config.json` parsed into the hyper-parameters and layer plan.
 //!
 //! Both forms of the file are accepted: the multimodal wrapper (`model_type: qwen3_5_moe` with the
-//! text model under `text_config`) and the text-only export (`model_type: qwen3_5_moe_text`).
+//! text model under `text_config`) and the text-only export (`model_type: qwen3_5_moe_text`), with
+//! MLX-LM's `quantization` block when the checkpoint is quantised.
 //! Unknown keys are ignored; missing required keys, another model type or inconsistent shapes are
 //! errors that name the field.
 
@@ -10,6 +11,8 @@ use std::path::Path;
 use anyhow::{Context, Result, bail, ensure};
 use serde::Deserialize;
 use serde_json::Value;
+
+use crate::quant::Quantization;
 
 /// The token mixer of one decoder layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +51,8 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
     pub eos_token_ids: Vec<u32>,
+    /// How the checkpoint's matrices are quantised (MLX-LM's `quantization` block), if at all.
+    pub quantization: Option<Quantization>,
 }
 
 /// The raw text-model fields as they appear in the file (wrapper or text-only form).
@@ -90,6 +95,8 @@ struct RawTextConfig {
 
 #[derive(Deserialize)]
 struct RawRope {
+    /// MLX-LM rewrites the key as `type` in the configs it saves.
+    #[serde(alias = "type")]
     rope_type: Option<String>,
     rope_theta: Option<f64>,
     partial_rotary_factor: Option<f64>,
@@ -148,10 +155,15 @@ impl ModelConfig {
                 "field `text_config.model_type` is {t:?}, expected \"qwen3_5_moe_text\""
             );
         }
-        Self::from_raw(raw, outer_tie)
+        let quantization = Quantization::from_config(&root)?;
+        Self::from_raw(raw, outer_tie, quantization)
     }
 
-    fn from_raw(raw: RawTextConfig, outer_tie: Option<bool>) -> Result<Self> {
+    fn from_raw(
+        raw: RawTextConfig,
+        outer_tie: Option<bool>,
+        quantization: Option<Quantization>,
+    ) -> Result<Self> {
         ensure!(
             raw.num_hidden_layers > 0,
             "field `num_hidden_layers` must be positive"
@@ -254,6 +266,7 @@ impl ModelConfig {
             tie_word_embeddings: raw.tie_word_embeddings.or(outer_tie).unwrap_or(false),
             max_position_embeddings: raw.max_position_embeddings,
             eos_token_ids,
+            quantization,
         };
         config.validate()?;
         Ok(config)

@@ -3,14 +3,18 @@
 //! The crate is laid out the way the engine works:
 //! - [`config`]: the model's hyper-parameters and layer plan, read from `config.json`;
 //! - [`checkpoint`]: memory-mapped safetensors files and tensor look-up;
+//! - [`quant`]: MLX affine quantisation (settings, math, bit packing);
 //! - [`model`]: the model's weights (described once, for every backend) and per-sequence state;
 //! - [`backend`]: implementations of prefill and decode (the CPU reference today);
+//! - [`convert`]: `lily convert`, bf16 checkpoints to MLX-LM quantised checkpoints;
 //! - [`engine`]: sampling, stop conditions and the generation loop;
 //! - [`text`]: tokenizer, streaming detokenisation and the chat template.
 
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
+pub mod convert;
 pub mod engine;
 pub mod model;
+pub mod quant;
 pub mod text;

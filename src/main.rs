@@ -8,7 +8,9 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use lily::backend::cpu::CpuBackend;
 use lily::backend::{Backend, LogitsFor};
+use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
 use lily::model::Model;
+use lily::quant::QuantSpec;
 use lily::text::chat_template::ChatTemplate;
 use lily::text::tokenizer::Tokenizer;
 
@@ -52,6 +54,24 @@ enum Command {
         #[arg(long)]
         model: PathBuf,
     },
+    /// Quantise a bf16 checkpoint into an MLX-LM checkpoint (affine, routers at 8 bits).
+    Convert {
+        /// Source checkpoint directory (the official bf16 layout).
+        #[arg(long)]
+        model: PathBuf,
+        /// Output directory; must not exist yet.
+        #[arg(long)]
+        out: PathBuf,
+        /// Bits per quantised weight.
+        #[arg(long, default_value_t = 4, value_parser = parse_bits)]
+        bits: u32,
+        /// Weights sharing one scale and bias.
+        #[arg(long, default_value_t = 64, value_parser = parse_group_size)]
+        group_size: usize,
+        /// Largest shard file in MiB.
+        #[arg(long, default_value_t = DEFAULT_MAX_SHARD_BYTES >> 20)]
+        shard_mib: usize,
+    },
 }
 
 /// Token ids given on the command line.
@@ -68,6 +88,20 @@ fn parse_ids(s: &str) -> Result<Ids, String> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Ids(ids))
+}
+
+fn parse_bits(s: &str) -> Result<u32, String> {
+    s.parse()
+        .ok()
+        .filter(|b| QuantSpec::SUPPORTED_BITS.contains(b))
+        .ok_or_else(|| format!("{s:?} is not one of {:?}", QuantSpec::SUPPORTED_BITS))
+}
+
+fn parse_group_size(s: &str) -> Result<usize, String> {
+    s.parse()
+        .ok()
+        .filter(|g| QuantSpec::SUPPORTED_GROUP_SIZES.contains(g))
+        .ok_or_else(|| format!("{s:?} is not one of {:?}", QuantSpec::SUPPORTED_GROUP_SIZES))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -116,6 +150,32 @@ fn run(cli: Cli) -> Result<()> {
         Command::Kernels { check } => {
             anyhow::ensure!(check, "use `lily kernels --check`");
             lily::backend::cuda::kernels::check_all()?;
+        }
+        Command::Convert {
+            model,
+            out,
+            bits,
+            group_size,
+            shard_mib,
+        } => {
+            let options = ConvertOptions {
+                spec: QuantSpec::new(bits, group_size)?,
+                max_shard_bytes: shard_mib.max(1) << 20,
+                progress: true,
+            };
+            let s = convert(&model, &out, &options)?;
+            let mb = |bytes: usize| bytes as f64 / 1e6;
+            eprintln!(
+                "wrote {}: {bits}-bit, group size {group_size}, {} tensors in {} shard(s), \
+                 {:.1} MB from {:.1} MB in {:.1} s ({:.0} MB/s read)",
+                out.display(),
+                s.tensors,
+                s.shards,
+                mb(s.written_bytes),
+                mb(s.source_bytes),
+                s.seconds,
+                mb(s.source_bytes) / s.seconds.max(1e-9),
+            );
         }
         Command::Render { model } => {
             let template = ChatTemplate::from_model_dir(&model)?;

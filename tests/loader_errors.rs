@@ -206,3 +206,175 @@ fn no_weights_at_all() {
     let err = load_error(dir.path());
     assert!(err.contains("safetensors"), "{err}");
 }
+
+/// A 4-bit conversion of `tiny-text` (one file) whose tensors went through `edit` and whose
+/// `config.json` through `edit_config`.
+fn edited_quantised_checkpoint(
+    edit: impl FnOnce(&mut BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
+    edit_config: impl FnOnce(&mut serde_json::Value),
+) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let options = lily::convert::ConvertOptions {
+        spec: lily::quant::QuantSpec::new(4, 64).unwrap(),
+        max_shard_bytes: lily::convert::DEFAULT_MAX_SHARD_BYTES,
+        progress: false,
+    };
+    let out = dir.path().join("q");
+    lily::convert::convert(&fixture("tiny-text"), &out, &options).unwrap();
+    let weights = out.join("model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = st
+        .iter()
+        .map(|(n, t)| {
+            let value = (t.dtype(), t.shape().to_vec(), t.data().to_vec());
+            (n.to_string(), value)
+        })
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &weights).unwrap();
+    std::fs::remove_file(out.join("model.safetensors.index.json")).unwrap();
+    let config_path = out.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    edit_config(&mut config);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    dir
+}
+
+fn quantised_load_error(
+    edit: impl FnOnce(&mut BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
+    edit_config: impl FnOnce(&mut serde_json::Value),
+) -> String {
+    let dir = edited_quantised_checkpoint(edit, edit_config);
+    load_error(&dir.path().join("q"))
+}
+
+const PROJ: &str = "language_model.model.layers.0.linear_attn.in_proj_z";
+const ROUTER: &str = "language_model.model.layers.0.mlp.gate";
+
+#[test]
+fn unedited_quantised_copy_loads() {
+    let dir = edited_quantised_checkpoint(|_| {}, |_| {});
+    Model::load(&dir.path().join("q")).unwrap();
+}
+
+#[test]
+fn unsupported_quantisation_settings_name_the_field() {
+    for (key, value, field) in [
+        ("bits", serde_json::json!(3), "quantization.bits"),
+        ("bits", serde_json::json!(5), "quantization.bits"),
+        (
+            "group_size",
+            serde_json::json!(16),
+            "quantization.group_size",
+        ),
+        ("mode", serde_json::json!("mxfp4"), "quantization.mode"),
+    ] {
+        let err = quantised_load_error(|_| {}, |c| c["quantization"][key] = value.clone());
+        assert!(err.contains(field) && err.contains("config.json"), "{err}");
+    }
+    let err = quantised_load_error(
+        |_| {},
+        |c| c["quantization"][ROUTER] = serde_json::json!({"bits": 2, "group_size": 64}),
+    );
+    assert!(err.contains(ROUTER) && err.contains("bits"), "{err}");
+    let err = quantised_load_error(
+        |_| {},
+        |c| {
+            let q = c.as_object_mut().unwrap();
+            q.remove("quantization");
+            q["quantization_config"] = serde_json::json!({"quant_method": "gptq", "bits": 4});
+        },
+    );
+    assert!(
+        err.contains("quant_method") && err.contains("gptq"),
+        "{err}"
+    );
+}
+
+#[test]
+fn override_disagreeing_with_the_tensors_is_named() {
+    // The router is stored at 8 bits; config.json claiming 4 bits gives a shape error.
+    let err = quantised_load_error(
+        |_| {},
+        |c| c["quantization"][ROUTER] = serde_json::json!({"bits": 4, "group_size": 64}),
+    );
+    assert!(
+        err.contains(&format!("{ROUTER}.weight")) && err.contains("shape"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_scales_or_biases_are_named() {
+    let err = quantised_load_error(|t| drop(t.remove(&format!("{PROJ}.scales"))), |_| {});
+    assert!(
+        err.contains(&format!("{PROJ}.scales")) && err.contains("missing"),
+        "{err}"
+    );
+    let err = quantised_load_error(|t| drop(t.remove(&format!("{PROJ}.biases"))), |_| {});
+    assert!(
+        err.contains(&format!("{PROJ}.biases")) && err.contains("missing"),
+        "{err}"
+    );
+    // The router's override says it is quantised.
+    let err = quantised_load_error(|t| drop(t.remove(&format!("{ROUTER}.scales"))), |_| {});
+    assert!(err.contains(&format!("{ROUTER}.scales")), "{err}");
+}
+
+#[test]
+fn scales_without_a_quantization_block_are_refused() {
+    let err = quantised_load_error(
+        |_| {},
+        |c| {
+            let q = c.as_object_mut().unwrap();
+            q.remove("quantization");
+            q.remove("quantization_config");
+        },
+    );
+    assert!(
+        err.contains("quantization") && err.contains(".scales"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_packed_tensors_are_named() {
+    // Packed words stored as signed integers.
+    let err = quantised_load_error(
+        |t| t.get_mut(&format!("{PROJ}.weight")).unwrap().0 = Dtype::I32,
+        |_| {},
+    );
+    assert!(
+        err.contains(&format!("{PROJ}.weight")) && err.contains("U32"),
+        "{err}"
+    );
+    // Half the words of each row: as if 2-bit, which lily does not read.
+    let err = quantised_load_error(
+        |t| {
+            let (_, shape, bytes) = t.get_mut(&format!("{PROJ}.weight")).unwrap();
+            let (rows, words) = (shape[0], shape[1]);
+            *bytes = bytes
+                .chunks_exact(words * 4)
+                .flat_map(|row| row[..words * 2].to_vec())
+                .collect();
+            *shape = vec![rows, words / 2];
+        },
+        |_| {},
+    );
+    assert!(
+        err.contains(&format!("{PROJ}.weight")) && err.contains("2-bit"),
+        "{err}"
+    );
+    // Scales and biases of different dtypes.
+    let err = quantised_load_error(
+        |t| t.get_mut(&format!("{PROJ}.biases")).unwrap().0 = Dtype::F16,
+        |_| {},
+    );
+    assert!(err.contains(&format!("{PROJ}.biases")), "{err}");
+}

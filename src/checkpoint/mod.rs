@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use memmap2::Mmap;
+use memmap2::{Mmap, UncheckedAdvice};
 use safetensors::{Dtype, SafeTensors};
 
 /// Element types lily computes with.
@@ -26,6 +26,27 @@ impl DType {
         match self {
             DType::BF16 | DType::F16 => 2,
             DType::F32 => 4,
+        }
+    }
+}
+
+impl DType {
+    /// The safetensors element type of the same name.
+    pub fn safetensors(self) -> Dtype {
+        match self {
+            DType::BF16 => Dtype::BF16,
+            DType::F16 => Dtype::F16,
+            DType::F32 => Dtype::F32,
+        }
+    }
+
+    /// The dtype a `config.json` names (`torch_dtype`, `dtype`), if lily computes with it.
+    pub fn from_config_name(name: &str) -> Option<Self> {
+        match name {
+            "bfloat16" => Some(DType::BF16),
+            "float16" => Some(DType::F16),
+            "float32" => Some(DType::F32),
+            _ => None,
         }
     }
 }
@@ -53,6 +74,20 @@ impl Bytes {
         &self.map[self.start..self.start + self.len]
     }
 
+    /// Tells the kernel these bytes will not be read again soon: their pages leave the process's
+    /// resident set (they stay in the page cache, and a later read faults them back in). Streaming
+    /// readers call this so that memory use stays bounded by what they hold, not what they read.
+    pub fn release_resident(&self) {
+        // SAFETY: the mapping is shared and read-only, so dropped pages are read again from the
+        // file on the next access, unchanged; nothing in lily holds them across this call.
+        let result = unsafe {
+            self.map
+                .unchecked_advise_range(UncheckedAdvice::DontNeed, self.start, self.len)
+        };
+        // Only a hint: if the kernel declines, memory use is merely higher.
+        drop(result);
+    }
+
     /// The sub-range `[offset, offset + len)`.
     pub fn slice(&self, offset: usize, len: usize) -> Bytes {
         assert!(offset + len <= self.len, "byte range outside the tensor");
@@ -77,15 +112,16 @@ pub struct Tensor {
 impl Tensor {
     /// Fails unless the tensor has exactly `expected` as its shape.
     pub fn expect_shape(&self, expected: &[usize]) -> Result<()> {
-        ensure!(
-            self.shape == expected,
-            "tensor `{}` in {} has shape {:?}, expected {:?}",
-            self.name,
-            self.file.display(),
-            self.shape,
-            expected
-        );
-        Ok(())
+        check_shape(&self.name, &self.file, &self.shape, expected)
+    }
+
+    /// The same bytes viewed as `[rows, cols]`; the element count must be the same.
+    pub fn reshaped(&self, rows: usize, cols: usize) -> Tensor {
+        debug_assert_eq!(rows * cols, self.shape.iter().product::<usize>());
+        Tensor {
+            shape: vec![rows, cols],
+            ..self.clone()
+        }
     }
 
     /// Converts the elements to f32 (for small tensors: norms, gates, biases).
@@ -94,6 +130,31 @@ impl Tensor {
         convert_to_f32(self.dtype, self.bytes.as_slice(), &mut out);
         out
     }
+}
+
+/// A tensor of uint32 words in a checkpoint file: packed quantised values.
+#[derive(Clone)]
+pub struct PackedTensor {
+    pub name: String,
+    pub file: Arc<PathBuf>,
+    pub shape: Vec<usize>,
+    pub bytes: Bytes,
+}
+
+impl PackedTensor {
+    /// Fails unless the tensor has exactly `expected` as its shape.
+    pub fn expect_shape(&self, expected: &[usize]) -> Result<()> {
+        check_shape(&self.name, &self.file, &self.shape, expected)
+    }
+}
+
+fn check_shape(name: &str, file: &Path, shape: &[usize], expected: &[usize]) -> Result<()> {
+    ensure!(
+        shape == expected,
+        "tensor `{name}` in {} has shape {shape:?}, expected {expected:?}",
+        file.display(),
+    );
+    Ok(())
 }
 
 /// Decodes `out.len()` little-endian elements of `dtype` from `bytes` into f32.
@@ -114,6 +175,41 @@ pub fn convert_to_f32(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
+    }
+}
+
+/// Appends `values` to `out` as little-endian elements of `dtype`, rounding to nearest-even.
+pub fn convert_from_f32(dtype: DType, values: &[f32], out: &mut Vec<u8>) {
+    out.reserve(values.len() * dtype.size());
+    match dtype {
+        DType::BF16 => {
+            for &v in values {
+                out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for &v in values {
+                out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            }
+        }
+        DType::F32 => {
+            for &v in values {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Rounds `values` in place to the nearest values `dtype` can hold, as a cast to it would.
+pub fn round_to(dtype: DType, values: &mut [f32]) {
+    match dtype {
+        DType::BF16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        DType::F16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        DType::F32 => {}
     }
 }
 
@@ -232,13 +328,7 @@ impl Checkpoint {
 
     /// Looks up a floating-point tensor by name.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        let Some(entry) = self.tensors.get(name) else {
-            bail!(
-                "tensor `{name}` is missing from the checkpoint in {}",
-                self.dir.display()
-            );
-        };
-        let file = &self.files[entry.file];
+        let (entry, file) = self.entry(name)?;
         let Some(dtype) = entry.dtype else {
             bail!(
                 "tensor `{name}` in {} has dtype {:?}; expected bf16, f16 or f32",
@@ -251,12 +341,45 @@ impl Checkpoint {
             file: file.path.clone(),
             dtype,
             shape: entry.shape.clone(),
-            bytes: Bytes {
-                map: file.map.clone(),
-                start: entry.start,
-                len: entry.len,
-            },
+            bytes: file.bytes(entry),
         })
+    }
+
+    /// Looks up a tensor of packed uint32 words by name.
+    pub fn packed_tensor(&self, name: &str) -> Result<PackedTensor> {
+        let (entry, file) = self.entry(name)?;
+        ensure!(
+            entry.raw_dtype == Dtype::U32,
+            "tensor `{name}` in {} has dtype {:?}; packed quantised weights are U32",
+            file.path.display(),
+            entry.raw_dtype
+        );
+        Ok(PackedTensor {
+            name: name.to_string(),
+            file: file.path.clone(),
+            shape: entry.shape.clone(),
+            bytes: file.bytes(entry),
+        })
+    }
+
+    fn entry(&self, name: &str) -> Result<(&TensorEntry, &MappedFile)> {
+        let Some(entry) = self.tensors.get(name) else {
+            bail!(
+                "tensor `{name}` is missing from the checkpoint in {}",
+                self.dir.display()
+            );
+        };
+        Ok((entry, &self.files[entry.file]))
+    }
+}
+
+impl MappedFile {
+    fn bytes(&self, entry: &TensorEntry) -> Bytes {
+        Bytes {
+            map: self.map.clone(),
+            start: entry.start,
+            len: entry.len,
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! The CPU backend: the plain, readable reference every fast path is checked against.
 //!
-//! Computes in f32 (weights are converted from their stored dtype as they are read), with
+//! Computes in f32 (weights are converted from their stored dtype, or dequantised, as they are
+//! read: the embedding a row per token, every matrix product a block of rows per task), with
 //! matrix products and per-head work spread over threads by rayon. The forward pass, top to
 //! bottom: embedding; per layer RMSNorm, token mixer (Gated DeltaNet or gated attention),
 //! residual, RMSNorm, sparse MoE with shared expert, residual; final RMSNorm; lm_head.

@@ -5,11 +5,12 @@ use rayon::prelude::*;
 
 use crate::model::Matrix;
 
-/// Weight rows converted to f32 at a time by one task: enough to amortise the conversion over
+/// Weight rows converted or dequantised to f32 at a time by one task: enough to amortise the conversion over
 /// all input rows, small enough to stay in cache.
 const ROW_BLOCK: usize = 16;
 
-/// `y[n, m] = x[n, k] · W[m, k]ᵀ`, converting the weight to f32 a block of rows at a time.
+/// `y[n, m] = x[n, k] · W[m, k]ᵀ`, converting (or dequantising) the weight to f32 a block of rows
+/// at a time, so a quantised model is never expanded whole.
 pub fn matmul(x: &[f32], n: usize, w: &Matrix) -> Vec<f32> {
     let (m, k) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), n * k);

@@ -4,16 +4,17 @@
 //! them all: the DeltaNet input projections (qkv | z | b | a), the attention projections
 //! (q+gate | k | v) and the router with the shared-expert gate. Routed experts are stacked:
 //! gate and up `[experts * intermediate, hidden]`, down `[experts * hidden, intermediate]`.
-//! Dense weights are stored as bf16; small vectors (norm scales, conv taps, gates) as f32.
+//! Dense weights are stored as bf16, quantised ones in MLX's affine format with bf16 scales and
+//! biases; small vectors (norm scales, conv taps, gates) as f32.
 
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 
-use crate::checkpoint::DType;
+use crate::checkpoint::{DType, convert_to_f32};
 use crate::config::ModelConfig;
-use crate::model::{Matrix, Mixer, Model};
+use crate::model::{Matrix, Mixer, Model, QuantizedStorage, Storage};
 
 /// A weight matrix on the device (see `struct Weight` in kernels/common.cuh).
 pub struct DeviceWeight {
@@ -48,23 +49,41 @@ pub fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 }
 
 impl DeviceWeight {
-    /// Uploads the row-concatenation of dense matrices as one bf16 matrix.
-    pub fn dense(stream: &Arc<CudaStream>, parts: &[&Matrix]) -> Result<Self> {
+    /// Uploads the row-concatenation of `parts` as one device matrix. Quantised parts that share
+    /// one setting stay in MLX's format (scales and biases as bf16); dense parts, or parts
+    /// quantised differently from each other, are stored as bf16.
+    pub fn upload(stream: &Arc<CudaStream>, parts: &[&Matrix]) -> Result<Self> {
         let cols = parts[0].cols;
         ensure!(
             parts.iter().all(|m| m.cols == cols),
             "fused matrices differ in width"
         );
+        let rows: usize = parts.iter().map(|m| m.rows).sum();
+        let quantized: Option<Vec<&QuantizedStorage>> = parts
+            .iter()
+            .map(|m| match &m.storage {
+                Storage::Quantized(q) => Some(q),
+                Storage::Dense { .. } => None,
+            })
+            .collect();
+        if let Some(qs) = quantized
+            && qs.iter().all(|q| q.spec == qs[0].spec)
+        {
+            return Self::upload_quantized(stream, &qs, rows, cols);
+        }
         ensure!(
             cols.is_multiple_of(8),
             "matrix width {cols} is not a multiple of 8 (16-byte rows)"
         );
-        let rows: usize = parts.iter().map(|m| m.rows).sum();
         let mut host = Vec::with_capacity(rows * cols * 2);
         let mut row = vec![0.0f32; cols];
         for m in parts {
-            if m.dtype == DType::BF16 {
-                host.extend_from_slice(m.bytes.as_slice());
+            if let Storage::Dense {
+                dtype: DType::BF16,
+                bytes,
+            } = &m.storage
+            {
+                host.extend_from_slice(bytes.as_slice());
                 continue;
             }
             for r in 0..m.rows {
@@ -82,6 +101,42 @@ impl DeviceWeight {
             cols,
             bits: 16,
             group: 0,
+        })
+    }
+
+    fn upload_quantized(
+        stream: &Arc<CudaStream>,
+        parts: &[&QuantizedStorage],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        let spec = parts[0].spec;
+        // The kernels read 16-byte chunks that must not straddle a group.
+        ensure!(
+            (spec.bits == 4 || spec.bits == 8) && spec.group_size >= 128 / spec.bits as usize,
+            "{}-bit quantisation with group size {} is not supported on the GPU",
+            spec.bits,
+            spec.group_size
+        );
+        let mut words = Vec::with_capacity(rows * cols * spec.bits as usize / 8);
+        let mut scales = Vec::new();
+        let mut biases = Vec::new();
+        for q in parts {
+            words.extend_from_slice(q.words.as_slice());
+            for (src, dst) in [(&q.scales, &mut scales), (&q.biases, &mut biases)] {
+                let mut f = vec![0.0f32; src.as_slice().len() / q.scale_dtype.size()];
+                convert_to_f32(q.scale_dtype, src.as_slice(), &mut f);
+                dst.extend(f.iter().map(|v| half::bf16::from_f32(*v).to_bits()));
+            }
+        }
+        Ok(Self {
+            data: stream.clone_htod(&words)?,
+            scales: Some(stream.clone_htod(&scales)?),
+            biases: Some(stream.clone_htod(&biases)?),
+            rows,
+            cols,
+            bits: spec.bits as usize,
+            group: spec.group_size,
         })
     }
 
@@ -216,19 +271,19 @@ impl DeviceModel {
         for (i, l) in model.layers.iter().enumerate() {
             let mixer = match &l.mixer {
                 Mixer::DeltaNet(w) => DeviceMixer::DeltaNet {
-                    in_proj: DeviceWeight::dense(
+                    in_proj: DeviceWeight::upload(
                         stream,
                         &[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a],
                     )?,
-                    out_proj: DeviceWeight::dense(stream, &[&w.out_proj])?,
+                    out_proj: DeviceWeight::upload(stream, &[&w.out_proj])?,
                     conv_w: f32s(&w.conv1d)?,
                     a_log: f32s(&w.a_log)?,
                     dt_bias: f32s(&w.dt_bias)?,
                     norm: f32s(&w.norm)?,
                 },
                 Mixer::Attention(w) => DeviceMixer::Attention {
-                    qkv: DeviceWeight::dense(stream, &[&w.q_proj, &w.k_proj, &w.v_proj])?,
-                    o_proj: DeviceWeight::dense(stream, &[&w.o_proj])?,
+                    qkv: DeviceWeight::upload(stream, &[&w.q_proj, &w.k_proj, &w.v_proj])?,
+                    o_proj: DeviceWeight::upload(stream, &[&w.o_proj])?,
                     q_norm: f32s(&w.q_norm)?,
                     k_norm: f32s(&w.k_norm)?,
                 },
@@ -241,21 +296,21 @@ impl DeviceModel {
                 input_norm: f32s(&l.input_norm)?,
                 post_norm: f32s(&l.post_attention_norm)?,
                 mixer,
-                router: DeviceWeight::dense(stream, &[&m.router, &m.shared_expert_gate])?,
-                gate: DeviceWeight::dense(stream, &gates)?,
-                up: DeviceWeight::dense(stream, &ups)?,
-                down: DeviceWeight::dense(stream, &downs)?,
-                shared_gate: DeviceWeight::dense(stream, &[&m.shared_expert.gate])?,
-                shared_up: DeviceWeight::dense(stream, &[&m.shared_expert.up])?,
-                shared_down: DeviceWeight::dense(stream, &[&m.shared_expert.down])?,
+                router: DeviceWeight::upload(stream, &[&m.router, &m.shared_expert_gate])?,
+                gate: DeviceWeight::upload(stream, &gates)?,
+                up: DeviceWeight::upload(stream, &ups)?,
+                down: DeviceWeight::upload(stream, &downs)?,
+                shared_gate: DeviceWeight::upload(stream, &[&m.shared_expert.gate])?,
+                shared_up: DeviceWeight::upload(stream, &[&m.shared_expert.up])?,
+                shared_down: DeviceWeight::upload(stream, &[&m.shared_expert.down])?,
             });
             progress(i + 1);
         }
         Ok(Self {
-            embed: DeviceWeight::dense(stream, &[&model.embed_tokens])?,
+            embed: DeviceWeight::upload(stream, &[&model.embed_tokens])?,
             layers,
             final_norm: f32s(&model.final_norm)?,
-            lm_head: DeviceWeight::dense(stream, &[&model.lm_head])?,
+            lm_head: DeviceWeight::upload(stream, &[&model.lm_head])?,
         })
     }
 
