@@ -6,9 +6,12 @@
 //! - [`model`]: the model's weights (described once, for every backend) and per-sequence state;
 //! - [`backend`]: implementations of prefill and decode (the CPU reference today);
 //! - [`engine`]: sampling, stop conditions and the generation loop;
-//! - [`text`]: tokenizer, streaming detokenisation and the chat template.
+//! - [`text`]: tokenizer, streaming detokenisation and the chat template;
+//! - `bench` (with the `cuda` feature): prefill and decode speed on the GPU.
 
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod engine;

@@ -188,6 +188,7 @@ pub struct CudaBackend {
     slots: Mutex<Vec<Slot>>,
     free: Arc<Mutex<Vec<usize>>>,
     max_context: usize,
+    use_graphs: bool,
     num_sms: u32,
 }
 
@@ -198,6 +199,8 @@ pub struct CudaOptions {
     pub max_context: usize,
     /// Sequences that can be alive at once.
     pub max_sequences: usize,
+    /// Replay each step as a CUDA graph (off: launch kernels one by one, for profilers).
+    pub use_graphs: bool,
 }
 
 impl CudaBackend {
@@ -333,6 +336,7 @@ impl CudaBackend {
             slots: Mutex::new(slots),
             free: Arc::new(Mutex::new((0..opts.max_sequences).rev().collect())),
             max_context: opts.max_context,
+            use_graphs: opts.use_graphs,
             num_sms,
         })
     }
@@ -371,6 +375,53 @@ impl CudaBackend {
     /// Bytes of weights on the device.
     pub fn weight_bytes(&self) -> usize {
         self.model.bytes()
+    }
+
+    /// Bytes one decode step reads or writes at `context` positions: every weight except the
+    /// routed experts, top-k / experts of those, one embedding row, the DeltaNet states (read
+    /// and written) and the KV cache up to `context`.
+    pub fn decode_bytes_per_token(&self, context: usize) -> usize {
+        let c = &self.config;
+        let m = &self.model;
+        let experts: usize = m
+            .layers
+            .iter()
+            .map(|l| l.gate.bytes() + l.up.bytes() + l.down.bytes())
+            .sum();
+        let routed = experts * c.num_experts_per_tok / c.num_experts;
+        let embed_row = m.embed.bytes() / c.vocab_size;
+        let gdn_layers = c.layer_kinds.iter().filter(|k| **k == LayerKind::LinearAttention).count();
+        let attn_layers = c.num_layers() - gdn_layers;
+        let state = gdn_layers
+            * 2
+            * 4
+            * c.linear_num_value_heads
+            * c.linear_key_head_dim
+            * c.linear_value_head_dim;
+        let kv = attn_layers * 2 * 2 * context * c.num_key_value_heads * c.head_dim;
+        m.bytes() - experts - m.embed.bytes() + routed + embed_row + state + kv
+    }
+
+    /// Measures device-to-device copy bandwidth (bytes read + written per second).
+    pub fn copy_bandwidth(&self) -> Result<f64> {
+        const BYTES: usize = 1 << 30;
+        let s = &self.stream;
+        let src = s.alloc_zeros::<u8>(BYTES)?;
+        let mut dst = s.alloc_zeros::<u8>(BYTES)?;
+        s.memcpy_dtod(&src, &mut dst)?;
+        s.synchronize()?;
+        let iters = 20;
+        let start = std::time::Instant::now();
+        for _ in 0..iters {
+            s.memcpy_dtod(&src, &mut dst)?;
+        }
+        s.synchronize()?;
+        Ok((2 * BYTES * iters) as f64 / start.elapsed().as_secs_f64())
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
     }
 
     /// Device memory in use (weights, slots, scratch and the driver's own), from the driver.
