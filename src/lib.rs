@@ -8,9 +8,12 @@
 //! - [`backend`]: implementations of prefill and decode (the CPU reference today);
 //! - [`convert`]: `lily convert`, bf16 checkpoints to MLX-LM quantised checkpoints;
 //! - [`engine`]: sampling, stop conditions and the generation loop;
-//! - [`text`]: tokenizer, streaming detokenisation and the chat template.
+//! - [`text`]: tokenizer, streaming detokenisation and the chat template;
+//! - `bench` (with the `cuda` feature): prefill and decode speed on the GPU.
 
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;

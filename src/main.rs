@@ -1,14 +1,17 @@
 //! The `lily` command line.
 
-use std::io::Read;
-use std::path::PathBuf;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use lily::backend::cpu::CpuBackend;
 use lily::backend::{Backend, LogitsFor};
+use lily::config::parse_ids;
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
+use lily::engine::generate::{GenerationParams, generate};
+use lily::engine::sampler::SamplingParams;
 use lily::model::Model;
 use lily::quant::QuantSpec;
 use lily::text::chat_template::ChatTemplate;
@@ -23,23 +26,33 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Read text on stdin and print its token ids as a JSON array.
-    Tokenize {
-        /// Checkpoint directory (holding tokenizer.json).
-        #[arg(long)]
-        model: PathBuf,
-    },
+    /// Generate a continuation of a prompt (text streamed to stdout, or JSON with --json).
+    Generate(GenerateArgs),
     /// Print the logits of every prompt position as JSON: `{"logits": [[...], ...]}`.
     Logits {
         /// Checkpoint directory.
         #[arg(long)]
         model: PathBuf,
         /// Prompt token ids, comma separated.
-        #[arg(long, value_parser = parse_ids)]
-        prompt_ids: Ids,
+        #[arg(long, value_parser = parse_id_list)]
+        prompt_ids: IdList,
         /// Compute with the prefill path (whole prompt at once) or the decode path (one token at a time).
         #[arg(long, value_enum, default_value_t = PathKind::Prefill)]
         path: PathKind,
+        #[command(flatten)]
+        device: DeviceArgs,
+    },
+    /// Read text on stdin and print its token ids as a JSON array.
+    Tokenize {
+        /// Checkpoint directory (holding tokenizer.json).
+        #[arg(long)]
+        model: PathBuf,
+    },
+    /// Read one JSON object on stdin (`messages`, `tools`, ...) and print the rendered chat prompt.
+    Render {
+        /// Checkpoint directory (holding the chat template).
+        #[arg(long)]
+        model: PathBuf,
     },
     /// Compile every CUDA kernel with NVRTC (no GPU needed); exits non-zero on any error.
     #[cfg(feature = "cuda")]
@@ -48,11 +61,27 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
-    /// Read one JSON object on stdin (`messages`, `tools`, ...) and print the rendered chat prompt.
-    Render {
-        /// Checkpoint directory (holding the chat template).
+    /// Measure prefill and decode speed on the GPU.
+    #[cfg(feature = "cuda")]
+    Bench {
+        /// Checkpoint directory; without it, --synthetic full-size weights are generated on the GPU.
+        #[arg(long, conflicts_with = "synthetic")]
+        model: Option<PathBuf>,
+        /// Random full-size Qwen3.6-35B-A3B weights generated on the GPU (no disk).
         #[arg(long)]
-        model: PathBuf,
+        synthetic: bool,
+        /// Weight format of synthetic weights.
+        #[arg(long, value_enum, default_value_t = Quant::Q4)]
+        quant: Quant,
+        /// Prompt length.
+        #[arg(long, default_value_t = 4096)]
+        prompt: usize,
+        /// Tokens to generate.
+        #[arg(long = "gen", default_value_t = 128)]
+        generate: usize,
+        /// Launch kernels one by one instead of replaying CUDA graphs (for profilers).
+        #[arg(long)]
+        no_graphs: bool,
     },
     /// Quantise a bf16 checkpoint into an MLX-LM checkpoint (affine, routers at 8 bits).
     Convert {
@@ -74,20 +103,64 @@ enum Command {
     },
 }
 
-/// Token ids given on the command line.
-#[derive(Clone, Debug)]
-struct Ids(Vec<u32>);
+#[derive(Args)]
+struct GenerateArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text (needs tokenizer.json in the checkpoint).
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    prompt: Option<String>,
+    /// Prompt token ids, comma separated (no tokenizer needed).
+    #[arg(long, value_parser = parse_id_list)]
+    prompt_ids: Option<IdList>,
+    /// Wrap the prompt as a user message in the checkpoint's chat template.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 picks the most likely token (greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop string (repeatable); never emitted.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print one JSON object (ids, timings) instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
 
-fn parse_ids(s: &str) -> Result<Ids, String> {
-    let ids = s
-        .split(',')
-        .map(|t| {
-            t.trim()
-                .parse::<u32>()
-                .map_err(|_| format!("{t:?} is not a token id"))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Ids(ids))
+#[derive(Args, Clone, Copy)]
+struct DeviceArgs {
+    /// Where the model runs.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Longest sequence the GPU holds (prompt + output).
+    #[arg(long, default_value_t = 32768)]
+    context: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
 }
 
 fn parse_bits(s: &str) -> Result<u32, String> {
@@ -110,6 +183,31 @@ enum PathKind {
     Decode,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Quant {
+    Q4,
+    Q8,
+    Bf16,
+}
+
+/// Token ids given on the command line.
+#[derive(Clone, Debug)]
+struct IdList(Vec<u32>);
+
+fn parse_id_list(s: &str) -> Result<IdList, String> {
+    let value = serde_json::Value::Array(
+        s.split(',')
+            .map(|t| {
+                t.trim()
+                    .parse::<u64>()
+                    .map(Into::into)
+                    .map_err(|_| format!("{t:?} is not a token id"))
+            })
+            .collect::<Result<_, _>>()?,
+    );
+    parse_ids(&value).map(IdList).map_err(|e| format!("{e:#}"))
+}
+
 fn main() {
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e:#}");
@@ -117,39 +215,65 @@ fn main() {
     }
 }
 
+/// Runs `$body` with `$backend` bound to the backend `$device` asks for.
+macro_rules! with_backend {
+    ($model_dir:expr, $device:expr, |$backend:ident| $body:expr) => {{
+        let model = Arc::new(Model::load($model_dir)?);
+        match $device.device {
+            Device::Cpu => {
+                let $backend = CpuBackend::new(model);
+                $body
+            }
+            Device::Cuda => cuda_backend!(model, $device, |$backend| $body),
+        }
+    }};
+}
+
+#[cfg(feature = "cuda")]
+macro_rules! cuda_backend {
+    ($model:expr, $device:expr, |$backend:ident| $body:expr) => {{
+        let opts = lily::backend::cuda::CudaOptions {
+            max_context: $device.context,
+            max_sequences: 1,
+            use_graphs: true,
+        };
+        let $backend = lily::backend::cuda::CudaBackend::new(&$model, opts)?;
+        $body
+    }};
+}
+
+#[cfg(not(feature = "cuda"))]
+macro_rules! cuda_backend {
+    ($model:expr, $device:expr, |$backend:ident| $body:expr) => {{
+        let _ = &$model;
+        anyhow::bail!("this lily was built without CUDA: rebuild with `--features cuda`")
+    }};
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Tokenize { model } => {
-            let tokenizer = Tokenizer::from_model_dir(&model)?;
-            let text = read_stdin()?;
-            println!("{}", serde_json::to_string(&tokenizer.encode(&text)?)?);
+        Command::Generate(args) => {
+            with_backend!(&args.model, args.device, |backend| run_generate(
+                &backend, &args
+            ))?;
         }
         Command::Logits {
             model,
             prompt_ids,
             path,
+            device,
         } => {
-            let backend = CpuBackend::new(Arc::new(Model::load(&model)?));
-            let ids = prompt_ids.0;
-            let vocab = backend.config().vocab_size;
-            let mut state = backend.new_state()?;
-            let logits = match path {
-                PathKind::Prefill => backend.prefill(&mut state, &ids, LogitsFor::All)?,
-                PathKind::Decode => {
-                    let mut all = Vec::with_capacity(ids.len() * vocab);
-                    for &id in &ids {
-                        all.extend(backend.decode(&mut [&mut state], &[id])?);
-                    }
-                    all
-                }
-            };
-            let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
-            println!("{}", serde_json::json!({ "logits": rows }));
+            let logits = with_backend!(&model, device, |backend| logits(
+                &backend,
+                &prompt_ids.0,
+                path
+            ))?;
+            println!("{}", serde_json::json!({ "logits": logits }));
         }
-        #[cfg(feature = "cuda")]
-        Command::Kernels { check } => {
-            anyhow::ensure!(check, "use `lily kernels --check`");
-            lily::backend::cuda::kernels::check_all()?;
+        Command::Tokenize { model } => {
+            let tokenizer = Tokenizer::from_model_dir(&model)?;
+            let text = read_stdin()?;
+            println!("{}", serde_json::to_string(&tokenizer.encode(&text)?)?);
         }
         Command::Convert {
             model,
@@ -187,8 +311,126 @@ fn run(cli: Cli) -> Result<()> {
             obj.entry("add_generation_prompt").or_insert(true.into());
             print!("{}", template.render(&context)?);
         }
+        #[cfg(feature = "cuda")]
+        Command::Kernels { check } => {
+            anyhow::ensure!(check, "use `lily kernels --check`");
+            lily::backend::cuda::kernels::check_all()?;
+        }
+        #[cfg(feature = "cuda")]
+        Command::Bench {
+            model,
+            synthetic,
+            quant,
+            prompt,
+            generate,
+            no_graphs,
+        } => {
+            use lily::backend::cuda::weights::WeightFormat;
+            anyhow::ensure!(
+                model.is_some() || synthetic,
+                "give --model DIR or --synthetic"
+            );
+            let format = match quant {
+                Quant::Q4 => WeightFormat::Affine { bits: 4, group: 64 },
+                Quant::Q8 => WeightFormat::Affine { bits: 8, group: 64 },
+                Quant::Bf16 => WeightFormat::Bf16,
+            };
+            lily::bench::run(&lily::bench::BenchArgs {
+                model,
+                format,
+                prompt,
+                generate,
+                use_graphs: !no_graphs,
+            })?;
+        }
     }
     Ok(())
+}
+
+/// Logits of every prompt position, by the prefill or the decode path.
+fn logits<B: Backend>(backend: &B, ids: &[u32], path: PathKind) -> Result<Vec<Vec<f32>>> {
+    let vocab = backend.config().vocab_size;
+    let mut state = backend.new_state()?;
+    let flat = match path {
+        PathKind::Prefill => backend.prefill(&mut state, ids, LogitsFor::All)?,
+        PathKind::Decode => {
+            let mut all = Vec::with_capacity(ids.len() * vocab);
+            for &id in ids {
+                all.extend(backend.decode(&mut [&mut state], &[id])?);
+            }
+            all
+        }
+    };
+    Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+}
+
+fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
+    let tokenizer = match (&args.prompt, args.json) {
+        (Some(_), _) | (None, false) => Some(Tokenizer::from_model_dir(&args.model)?),
+        (None, true) => Tokenizer::from_model_dir(&args.model).ok(),
+    };
+    let prompt_ids = match (&args.prompt, &args.prompt_ids) {
+        (_, Some(ids)) => ids.0.clone(),
+        (Some(text), None) => {
+            let tokenizer = tokenizer
+                .as_ref()
+                .context("a text prompt needs tokenizer.json")?;
+            let text = if args.chat {
+                let template = ChatTemplate::from_model_dir(&args.model)?;
+                template.render(&serde_json::json!({
+                    "messages": [{"role": "user", "content": text}],
+                    "add_generation_prompt": true,
+                }))?
+            } else {
+                text.clone()
+            };
+            tokenizer.encode(&text)?
+        }
+        (None, None) => anyhow::bail!("give --prompt or --prompt-ids"),
+    };
+    let params = GenerationParams {
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            min_p: args.min_p,
+            repetition_penalty: args.repetition_penalty,
+            seed: args.seed,
+            ..SamplingParams::default()
+        },
+        stop: args.stop.clone(),
+        eos_token_ids: eos_token_ids(&args.model, backend)?,
+    };
+    let stream_text = !args.json;
+    let mut stdout = std::io::stdout().lock();
+    let result = generate(backend, tokenizer.as_ref(), &prompt_ids, &params, |text| {
+        if stream_text {
+            stdout.write_all(text.as_bytes())?;
+            stdout.flush()?;
+        }
+        Ok(())
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&result)?);
+    } else {
+        println!();
+    }
+    Ok(())
+}
+
+/// EOS ids: `generation_config.json`'s `eos_token_id` when present, else the config's.
+fn eos_token_ids<B: Backend>(dir: &Path, backend: &B) -> Result<Vec<u32>> {
+    let path = dir.join("generation_config.json");
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?;
+        if let Some(eos) = v.get("eos_token_id").filter(|e| !e.is_null()) {
+            return parse_ids(eos)
+                .with_context(|| format!("{}: field `eos_token_id`", path.display()));
+        }
+    }
+    Ok(backend.config().eos_token_ids.clone())
 }
 
 fn read_stdin() -> Result<String> {

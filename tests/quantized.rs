@@ -101,7 +101,7 @@ fn relative_error(got: &[f32], want: &[f32]) -> f32 {
 }
 
 fn prefill_all(b: &CpuBackend, prompt: &[u32]) -> Vec<f32> {
-    b.prefill(&mut b.new_state(), prompt, LogitsFor::All)
+    b.prefill(&mut b.new_state().unwrap(), prompt, LogitsFor::All)
         .unwrap()
 }
 
@@ -145,7 +145,7 @@ fn prefill_and_decode_agree_on_a_quantised_model() {
     let b = backend(&out);
     let (prompts, _) = golden(&src);
     let prompt = &prompts[1];
-    let mut state = b.new_state();
+    let mut state = b.new_state().unwrap();
     let decoded: Vec<f32> = prompt
         .iter()
         .flat_map(|&t| b.decode(&mut [&mut state], &[t]).unwrap())

@@ -67,6 +67,15 @@ pub struct InvalidSamplingParam {
 }
 
 impl SamplingParams {
+    /// Whether the choice is always the plain argmax of the logits (no temperature, no
+    /// penalties), which a backend can then make on its own without returning the logits.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < MIN_SAMPLING_TEMPERATURE
+            && self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
+
     /// Checks every field's range (NaN is always out of range); the error names the first bad field.
     pub fn validate(&self) -> Result<(), InvalidSamplingParam> {
         let checks = [

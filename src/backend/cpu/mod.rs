@@ -17,7 +17,7 @@ use anyhow::{Result, ensure};
 
 use self::attention::KvCache;
 use self::deltanet::DeltaNetState;
-use self::ops::{add_in_place, matmul, rms_norm, rms_norm_in_place};
+use self::ops::{add_in_place, matmul, rms_norm};
 use super::{Backend, LogitsFor};
 use crate::config::ModelConfig;
 use crate::model::state::{LayerState, SequenceState};
@@ -26,11 +26,34 @@ use crate::model::{Mixer, Model};
 /// Runs a [`Model`] on the CPU.
 pub struct CpuBackend {
     model: Arc<Model>,
+    bf16_activations: bool,
 }
 
 impl CpuBackend {
     pub fn new(model: Arc<Model>) -> Self {
-        Self { model }
+        Self {
+            model,
+            bf16_activations: false,
+        }
+    }
+
+    /// A variant that rounds the normalised inputs of every block (and of lm_head) to bf16:
+    /// the spread between it and the f32 backend calibrates tolerances for GPU backends.
+    pub fn with_bf16_activations(model: Arc<Model>) -> Self {
+        Self {
+            model,
+            bf16_activations: true,
+        }
+    }
+
+    /// RMSNorm of the rows of `x`, rounded to bf16 in the calibration variant.
+    fn norm(&self, x: &[f32], scale: &[f32]) -> Vec<f32> {
+        let mut h = rms_norm(x, scale, self.model.config.rms_norm_eps);
+        if self.bf16_activations {
+            h.iter_mut()
+                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+        }
+        h
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -54,15 +77,14 @@ impl CpuBackend {
     /// The MoE half of layer `l`, with its residual, over `n` rows.
     fn feed_forward(&self, l: usize, x: &mut [f32], n: usize) {
         let (c, layer) = (&self.model.config, &self.model.layers[l]);
-        let h = rms_norm(x, &layer.post_attention_norm, c.rms_norm_eps);
+        let h = self.norm(x, &layer.post_attention_norm);
         add_in_place(x, &moe::forward(c, &layer.moe, &h, n));
     }
 
     /// Final norm and lm_head over `n` rows.
-    fn logits(&self, mut x: Vec<f32>, n: usize) -> Vec<f32> {
-        let m = &self.model;
-        rms_norm_in_place(&mut x, &m.final_norm, m.config.rms_norm_eps);
-        matmul(&x, n, &m.lm_head)
+    fn logits(&self, x: Vec<f32>, n: usize) -> Vec<f32> {
+        let h = self.norm(&x, &self.model.final_norm);
+        matmul(&h, n, &self.model.lm_head)
     }
 }
 
@@ -93,7 +115,7 @@ impl Backend for CpuBackend {
         let n = tokens.len();
         let mut x = self.embed(tokens);
         for (l, layer) in m.layers.iter().enumerate() {
-            let h = rms_norm(&x, &layer.input_norm, c.rms_norm_eps);
+            let h = self.norm(&x, &layer.input_norm);
             let mixed = match (&layer.mixer, &mut state.layers[l]) {
                 (Mixer::Attention(w), LayerState::Attention { keys, values }) => {
                     attention::forward(c, w, &h, n, state.position, KvCache { keys, values })
@@ -129,7 +151,7 @@ impl Backend for CpuBackend {
         let hd = c.hidden_size;
         let mut x = self.embed(tokens);
         for (l, layer) in m.layers.iter().enumerate() {
-            let h = rms_norm(&x, &layer.input_norm, c.rms_norm_eps);
+            let h = self.norm(&x, &layer.input_norm);
             let mixed = match &layer.mixer {
                 Mixer::Attention(w) => {
                     // Each sequence attends over its own cache at its own position.

@@ -160,6 +160,17 @@ struct Slot {
     logits_graph: Option<Graph>,
 }
 
+impl Slot {
+    /// The captured step that ends in an on-device argmax (`greedy`) or in logits.
+    fn graph(&mut self, greedy: bool) -> &mut Option<Graph> {
+        if greedy {
+            &mut self.greedy_graph
+        } else {
+            &mut self.logits_graph
+        }
+    }
+}
+
 /// The per-sequence handle: a slot of the backend's pool.
 pub struct CudaState {
     slot: usize,
@@ -188,6 +199,7 @@ pub struct CudaBackend {
     slots: Mutex<Vec<Slot>>,
     free: Arc<Mutex<Vec<usize>>>,
     max_context: usize,
+    use_graphs: bool,
     num_sms: u32,
 }
 
@@ -198,6 +210,8 @@ pub struct CudaOptions {
     pub max_context: usize,
     /// Sequences that can be alive at once.
     pub max_sequences: usize,
+    /// Replay each step as a CUDA graph (off: launch kernels one by one, for profilers).
+    pub use_graphs: bool,
 }
 
 impl CudaBackend {
@@ -333,6 +347,7 @@ impl CudaBackend {
             slots: Mutex::new(slots),
             free: Arc::new(Mutex::new((0..opts.max_sequences).rev().collect())),
             max_context: opts.max_context,
+            use_graphs: opts.use_graphs,
             num_sms,
         })
     }
@@ -371,6 +386,57 @@ impl CudaBackend {
     /// Bytes of weights on the device.
     pub fn weight_bytes(&self) -> usize {
         self.model.bytes()
+    }
+
+    /// Bytes one decode step reads or writes at `context` positions: every weight except the
+    /// routed experts, top-k / experts of those, one embedding row, the DeltaNet states (read
+    /// and written) and the KV cache up to `context`.
+    pub fn decode_bytes_per_token(&self, context: usize) -> usize {
+        let c = &self.config;
+        let m = &self.model;
+        let experts: usize = m
+            .layers
+            .iter()
+            .map(|l| l.gate.bytes() + l.up.bytes() + l.down.bytes())
+            .sum();
+        let routed = experts * c.num_experts_per_tok / c.num_experts;
+        let embed_row = m.embed.bytes() / c.vocab_size;
+        let gdn_layers = c
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::LinearAttention)
+            .count();
+        let attn_layers = c.num_layers() - gdn_layers;
+        let state = gdn_layers
+            * 2
+            * 4
+            * c.linear_num_value_heads
+            * c.linear_key_head_dim
+            * c.linear_value_head_dim;
+        let kv = attn_layers * 2 * 2 * context * c.num_key_value_heads * c.head_dim;
+        m.bytes() - experts - m.embed.bytes() + routed + embed_row + state + kv
+    }
+
+    /// Measures device-to-device copy bandwidth (bytes read + written per second).
+    pub fn copy_bandwidth(&self) -> Result<f64> {
+        const BYTES: usize = 1 << 30;
+        let s = &self.stream;
+        let src = s.alloc_zeros::<u8>(BYTES)?;
+        let mut dst = s.alloc_zeros::<u8>(BYTES)?;
+        s.memcpy_dtod(&src, &mut dst)?;
+        s.synchronize()?;
+        let iters = 20;
+        let start = std::time::Instant::now();
+        for _ in 0..iters {
+            s.memcpy_dtod(&src, &mut dst)?;
+        }
+        s.synchronize()?;
+        Ok((2 * BYTES * iters) as f64 / start.elapsed().as_secs_f64())
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
     }
 
     /// Device memory in use (weights, slots, scratch and the driver's own), from the driver.
@@ -653,32 +719,24 @@ impl CudaBackend {
         if state.device_token != Some(token) {
             self.stream.memcpy_htod(&[token as i32], &mut slot.token)?;
         }
-        let captured = if greedy {
-            &slot.greedy_graph
-        } else {
-            &slot.logits_graph
-        };
-        if captured.is_none() {
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let recorded = self.record_step(slot, greedy);
-            let graph = self.stream.end_capture(
-                CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-            )?;
-            recorded?;
-            let graph = graph.context("capturing the decode step produced no graph")?;
-            if greedy {
-                slot.greedy_graph = Some(Graph(graph));
-            } else {
-                slot.logits_graph = Some(Graph(graph));
+        if self.use_graphs {
+            if slot.graph(greedy).is_none() {
+                self.stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+                let recorded = self.record_step(slot, greedy);
+                let captured = self.stream.end_capture(
+                    CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+                )?;
+                recorded?;
+                let captured = captured.context("capturing the decode step produced no graph")?;
+                *slot.graph(greedy) = Some(Graph(captured));
             }
-        }
-        let graph = if greedy {
-            &slot.greedy_graph
+            if let Some(graph) = slot.graph(greedy) {
+                graph.0.launch()?;
+            }
         } else {
-            &slot.logits_graph
-        };
-        graph.as_ref().map(|g| g.0.launch()).transpose()?;
+            self.record_step(slot, greedy)?;
+        }
         state.position += 1;
         state.device_token = None;
         Ok(())

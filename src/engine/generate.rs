@@ -1,0 +1,173 @@
+//! Generating one sequence: prefill, then sample and decode until a stop condition.
+//!
+//! [`Output`] turns chosen ids into streamed text and decides when a sequence ends (EOS id, stop
+//! string, token budget); [`generate`] drives a backend for one sequence with it. The server's
+//! scheduler uses [`Output`] the same way for many sequences at once.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use super::sampler::{Sampler, SamplingParams};
+use super::stop::StopChecker;
+use crate::backend::{Backend, LogitsFor};
+use crate::text::tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// What a request asks of generation.
+#[derive(Clone, Debug, Default)]
+pub struct GenerationParams {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Stop strings: generation ends before any of them, which are never emitted.
+    pub stop: Vec<String>,
+    /// Token ids that end generation (not emitted as text).
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An EOS id or a stop string.
+    Stop,
+    /// The token budget ran out.
+    Length,
+}
+
+/// What one chosen token produced.
+pub struct Pushed {
+    /// Text now safe to emit (may be empty while a character or stop string is incomplete).
+    pub text: String,
+    pub finish: Option<FinishReason>,
+}
+
+/// The output side of a sequence: ids so far, streaming detokenisation, stop conditions.
+pub struct Output<'t> {
+    pub ids: Vec<u32>,
+    decoder: Option<IncrementalDecoder<'t>>,
+    stop: StopChecker,
+    eos_token_ids: Vec<u32>,
+    max_tokens: usize,
+}
+
+impl<'t> Output<'t> {
+    pub fn new(params: &GenerationParams, tokenizer: Option<&'t Tokenizer>) -> Self {
+        Self {
+            ids: Vec::new(),
+            decoder: tokenizer.map(Tokenizer::incremental_decoder),
+            stop: StopChecker::new(params.stop.clone()),
+            eos_token_ids: params.eos_token_ids.clone(),
+            max_tokens: params.max_tokens,
+        }
+    }
+
+    /// Records the next chosen id.
+    pub fn push(&mut self, id: u32) -> Result<Pushed> {
+        if self.eos_token_ids.contains(&id) {
+            self.ids.push(id);
+            return Ok(Pushed {
+                text: self.flush()?,
+                finish: Some(FinishReason::Stop),
+            });
+        }
+        self.ids.push(id);
+        let piece = match &mut self.decoder {
+            Some(d) => d.push(id)?,
+            None => String::new(),
+        };
+        let checked = self.stop.push(&piece);
+        if checked.matched_stop.is_some() {
+            return Ok(Pushed {
+                text: checked.text,
+                finish: Some(FinishReason::Stop),
+            });
+        }
+        let mut text = checked.text;
+        if self.ids.len() >= self.max_tokens {
+            text.push_str(&self.flush()?);
+            return Ok(Pushed {
+                text,
+                finish: Some(FinishReason::Length),
+            });
+        }
+        Ok(Pushed { text, finish: None })
+    }
+
+    /// Releases text held back for an incomplete character or a possible stop string.
+    fn flush(&mut self) -> Result<String> {
+        let tail = match self.decoder.take() {
+            Some(d) => d.finish()?,
+            None => String::new(),
+        };
+        let checked = self.stop.push(&tail);
+        let mut text = checked.text;
+        if checked.matched_stop.is_none() {
+            let stop = std::mem::replace(&mut self.stop, StopChecker::new(Vec::<String>::new()));
+            text.push_str(&stop.finish());
+        }
+        Ok(text)
+    }
+}
+
+/// The result of [`generate`].
+#[derive(Debug, Serialize)]
+pub struct Generation {
+    pub ids: Vec<u32>,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+}
+
+/// Generates a continuation of `prompt`, passing text to `on_text` as it becomes final.
+pub fn generate<B: Backend>(
+    backend: &B,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    params: &GenerationParams,
+    mut on_text: impl FnMut(&str) -> Result<()>,
+) -> Result<Generation> {
+    anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
+    let mut sampler =
+        Sampler::new(params.sampling.clone(), prompt).map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Plain greedy decoding can pick on the device; anything else needs the logits here.
+    let device_greedy = params.sampling.is_greedy();
+    let mut output = Output::new(params, tokenizer);
+    let mut state = backend.new_state()?;
+
+    let start = Instant::now();
+    let mut logits = backend.prefill(&mut state, prompt, LogitsFor::Last)?;
+    let prefill_s = start.elapsed().as_secs_f64();
+    let mut id = sampler.sample(&mut logits).token_id;
+
+    let start = Instant::now();
+    let finish = loop {
+        let pushed = output.push(id)?;
+        if !pushed.text.is_empty() {
+            on_text(&pushed.text)?;
+        }
+        if let Some(finish) = pushed.finish {
+            break finish;
+        }
+        id = if device_greedy {
+            backend.decode_greedy(&mut [&mut state], &[id])?[0]
+        } else {
+            let mut logits = backend.decode(&mut [&mut state], &[id])?;
+            sampler.sample(&mut logits).token_id
+        };
+    };
+    let decode_s = start.elapsed().as_secs_f64();
+    let decoded = output.ids.len().saturating_sub(1);
+    Ok(Generation {
+        ids: output.ids,
+        finish_reason: finish,
+        prompt_tokens: prompt.len(),
+        prefill_tok_s: prompt.len() as f64 / prefill_s,
+        decode_tok_s: if decoded == 0 {
+            0.0
+        } else {
+            decoded as f64 / decode_s
+        },
+    })
+}

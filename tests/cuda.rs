@@ -1,0 +1,138 @@
+//! The CUDA backend against the CPU reference on the tiny fixtures (needs a GPU: run on the
+//! device with `scripts/gpu_check.sh`; built only with `--features cuda`).
+//!
+//! Tolerance: the GPU keeps weights and the KV cache in bf16, so it is calibrated on each
+//! fixture as a multiple of the spread between the CPU backend in f32 and the same run with
+//! bf16-rounded activations.
+
+#![cfg(feature = "cuda")]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use lily::backend::cpu::CpuBackend;
+use lily::backend::cuda::{CudaBackend, CudaOptions};
+use lily::backend::{Backend, LogitsFor, argmax};
+use lily::model::Model;
+
+/// How many calibration spreads the GPU may differ by.
+const SPREADS: f32 = 3.0;
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    ["tiny-wrapper", "tiny-text"]
+        .iter()
+        .map(|f| root.join(f))
+        .collect()
+}
+
+fn prompts(dir: &Path) -> Vec<Vec<u32>> {
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    serde_json::from_value(meta["prompts"].clone()).unwrap()
+}
+
+fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    diff / want.iter().map(|v| v.abs()).fold(0.0, f32::max)
+}
+
+fn cuda(model: &Model, sequences: usize) -> CudaBackend {
+    let opts = CudaOptions {
+        max_context: 256,
+        max_sequences: sequences,
+        use_graphs: true,
+    };
+    CudaBackend::new(model, opts).expect("CUDA backend starts")
+}
+
+fn all_logits<B: Backend>(b: &B, prompt: &[u32]) -> Vec<f32> {
+    let mut state = b.new_state().unwrap();
+    b.prefill(&mut state, prompt, LogitsFor::All).unwrap()
+}
+
+#[test]
+fn logits_match_the_cpu_backend_within_calibrated_tolerance() {
+    for dir in fixtures() {
+        let model = Arc::new(Model::load(&dir).unwrap());
+        let cpu = CpuBackend::new(model.clone());
+        let cpu_bf16 = CpuBackend::with_bf16_activations(model.clone());
+        let gpu = cuda(&model, 1);
+        for prompt in prompts(&dir) {
+            let want = all_logits(&cpu, &prompt);
+            let spread = relative_error(&all_logits(&cpu_bf16, &prompt), &want);
+            let got = all_logits(&gpu, &prompt);
+            let err = relative_error(&got, &want);
+            println!(
+                "{}: {} tokens: GPU error {err:.2e}, bf16 spread {spread:.2e}",
+                dir.display(),
+                prompt.len()
+            );
+            assert!(
+                err <= SPREADS * spread,
+                "error {err} above {SPREADS} x spread {spread}"
+            );
+            // Same top-1 at (almost) every position.
+            let vocab = model.config.vocab_size;
+            let agree = got
+                .chunks_exact(vocab)
+                .zip(want.chunks_exact(vocab))
+                .filter(|(a, b)| argmax(a) == argmax(b))
+                .count();
+            assert!(
+                agree * 10 >= prompt.len() * 9,
+                "top-1 agreement {agree}/{}",
+                prompt.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn device_argmax_matches_host_argmax_and_forks_continue_identically() {
+    let dir = &fixtures()[0];
+    let model = Model::load(dir).unwrap();
+    let gpu = cuda(&model, 3);
+    let prompt = &prompts(dir)[0];
+    let mut a = gpu.new_state().unwrap();
+    let logits = gpu.prefill(&mut a, prompt, LogitsFor::Last).unwrap();
+    let first = argmax(&logits);
+    let mut b = gpu.fork(&a).unwrap();
+    let mut with_logits = gpu.fork(&a).unwrap();
+    let (mut ta, mut tb, mut tl) = (first, first, first);
+    for _ in 0..16 {
+        ta = gpu.decode_greedy(&mut [&mut a], &[ta]).unwrap()[0];
+        tb = gpu.decode_greedy(&mut [&mut b], &[tb]).unwrap()[0];
+        tl = argmax(&gpu.decode(&mut [&mut with_logits], &[tl]).unwrap());
+        assert_eq!(ta, tb);
+        assert_eq!(ta, tl);
+    }
+    // All three slots are taken: a fourth sequence is a clear error.
+    assert!(gpu.new_state().is_err());
+    drop(b);
+    gpu.new_state().expect("a dropped state frees its slot");
+}
+
+#[test]
+fn context_limit_is_an_error() {
+    let dir = &fixtures()[0];
+    let model = Model::load(dir).unwrap();
+    let gpu = CudaBackend::new(
+        &model,
+        CudaOptions {
+            max_context: 4,
+            max_sequences: 1,
+            use_graphs: true,
+        },
+    )
+    .unwrap();
+    let mut s = gpu.new_state().unwrap();
+    let err = gpu
+        .prefill(&mut s, &[1, 2, 3, 4, 5], LogitsFor::Last)
+        .unwrap_err();
+    assert!(err.to_string().contains("context"), "{err}");
+}
