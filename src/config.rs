@@ -348,6 +348,21 @@ impl ModelConfig {
     }
 }
 
+/// The ids that end generation for the checkpoint in `dir`: `generation_config.json`'s
+/// `eos_token_id` when present, else the model configuration's.
+pub fn eos_token_ids(dir: &Path, config: &ModelConfig) -> Result<Vec<u32>> {
+    let path = dir.join("generation_config.json");
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?;
+        if let Some(eos) = v.get("eos_token_id").filter(|e| !e.is_null()) {
+            return parse_ids(eos)
+                .with_context(|| format!("{}: field `eos_token_id`", path.display()));
+        }
+    }
+    Ok(config.eos_token_ids.clone())
+}
+
 /// Parses an id or list of ids (`eos_token_id` may be either).
 pub fn parse_ids(v: &Value) -> Result<Vec<u32>> {
     let one = |v: &Value| -> Result<u32> {

@@ -1,14 +1,14 @@
 //! The `lily` command line.
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use lily::backend::cpu::CpuBackend;
 use lily::backend::{Backend, LogitsFor};
-use lily::config::parse_ids;
+use lily::config::{eos_token_ids, parse_ids};
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
 use lily::engine::generate::{GenerationParams, generate};
 use lily::engine::sampler::SamplingParams;
@@ -400,7 +400,7 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
             ..SamplingParams::default()
         },
         stop: args.stop.clone(),
-        eos_token_ids: eos_token_ids(&args.model, backend)?,
+        eos_token_ids: eos_token_ids(&args.model, backend.config())?,
     };
     let stream_text = !args.json;
     let mut stdout = std::io::stdout().lock();
@@ -417,20 +417,6 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
         println!();
     }
     Ok(())
-}
-
-/// EOS ids: `generation_config.json`'s `eos_token_id` when present, else the config's.
-fn eos_token_ids<B: Backend>(dir: &Path, backend: &B) -> Result<Vec<u32>> {
-    let path = dir.join("generation_config.json");
-    if let Ok(text) = std::fs::read_to_string(&path) {
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not valid JSON", path.display()))?;
-        if let Some(eos) = v.get("eos_token_id").filter(|e| !e.is_null()) {
-            return parse_ids(eos)
-                .with_context(|| format!("{}: field `eos_token_id`", path.display()));
-        }
-    }
-    Ok(backend.config().eos_token_ids.clone())
 }
 
 fn read_stdin() -> Result<String> {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use memmap2::{Mmap, UncheckedAdvice};
+use memmap2::{Mmap, MmapMut, UncheckedAdvice};
 use safetensors::{Dtype, SafeTensors};
 
 /// Element types lily computes with.
@@ -266,11 +266,33 @@ impl Checkpoint {
         Ok(checkpoint)
     }
 
+    /// A checkpoint held in memory: one safetensors file's bytes (`name` stands for its path in
+    /// messages). Built-in models use this; the bytes are copied into an anonymous mapping.
+    pub fn from_memory(name: &str, safetensors_bytes: &[u8]) -> Result<Self> {
+        let mut anonymous = MmapMut::map_anon(safetensors_bytes.len().max(1))
+            .context("cannot allocate memory for a checkpoint")?;
+        anonymous[..safetensors_bytes.len()].copy_from_slice(safetensors_bytes);
+        let map = anonymous
+            .make_read_only()
+            .context("cannot protect an in-memory checkpoint")?;
+        let mut checkpoint = Checkpoint {
+            dir: PathBuf::from(name),
+            files: Vec::new(),
+            tensors: HashMap::new(),
+        };
+        checkpoint.add_mapping(PathBuf::from(name), map)?;
+        Ok(checkpoint)
+    }
+
     fn add_file(&mut self, path: PathBuf) -> Result<()> {
         let file = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
         // SAFETY: the mapping is read-only; lily never writes checkpoint files while it runs.
         let map = unsafe { Mmap::map(&file) }
             .with_context(|| format!("cannot map {}", path.display()))?;
+        self.add_mapping(path, map)
+    }
+
+    fn add_mapping(&mut self, path: PathBuf, map: Mmap) -> Result<()> {
         let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
             anyhow::anyhow!(
                 "{} is not a valid safetensors file (truncated or corrupt): {e}",

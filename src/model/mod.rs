@@ -7,6 +7,7 @@
 //! affine-quantised as `config.json`'s `quantization` block says). Matrices stay in the mapped
 //! file as stored; small vectors (norms, gates) are converted to f32 once.
 
+pub mod demo;
 pub mod state;
 
 use std::path::Path;

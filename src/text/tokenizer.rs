@@ -26,13 +26,25 @@ impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
+        Ok(Self::from_inner(inner))
+    }
+
+    /// Loads a tokenizer from the text of a `tokenizer.json` (built-in models make theirs in code).
+    pub fn from_json(json: &str) -> Result<Self> {
+        let inner = json
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| anyhow!("parsing tokenizer JSON: {e}"))?;
+        Ok(Self::from_inner(inner))
+    }
+
+    fn from_inner(inner: tokenizers::Tokenizer) -> Self {
         let special = inner
             .get_added_tokens_decoder()
             .into_iter()
             .filter(|(_, token)| token.special)
             .map(|(id, _)| id)
             .collect();
-        Ok(Self { inner, special })
+        Self { inner, special }
     }
 
     /// Encodes text. Added tokens written in the text (`<|im_start|>`, `<think>`, ...) become
