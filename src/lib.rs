@@ -20,4 +20,5 @@ pub mod convert;
 pub mod engine;
 pub mod model;
 pub mod quant;
+pub mod server;
 pub mod text;

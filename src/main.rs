@@ -1,6 +1,6 @@
 //! The `lily` command line.
 
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -14,6 +14,7 @@ use lily::engine::generate::{GenerationParams, generate};
 use lily::engine::sampler::SamplingParams;
 use lily::model::Model;
 use lily::quant::QuantSpec;
+use lily::server::{ServeOptions, ServedModel};
 use lily::text::chat_template::ChatTemplate;
 use lily::text::tokenizer::Tokenizer;
 
@@ -83,6 +84,8 @@ enum Command {
         #[arg(long)]
         no_graphs: bool,
     },
+    /// Serve an OpenAI-compatible API (without --model, the embedded demo model).
+    Serve(ServeArgs),
     /// Quantise a bf16 checkpoint into an MLX-LM checkpoint (affine, routers at 8 bits).
     Convert {
         /// Source checkpoint directory (the official bf16 layout).
@@ -143,6 +146,38 @@ struct GenerateArgs {
     /// Print one JSON object (ids, timings) instead of streaming text.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Checkpoint directory; without it, a small demo model with random weights is served.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the log says which).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/* (default: $LILY_API_KEY if set).
+    #[arg(long, env = "LILY_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Sequences generated at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    max_batch: u32,
+    /// Requests that may wait for a free slot; more get 429.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Prompt tokens prefilled per engine step (long prompts are split into chunks this size).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    prefill_chunk: u32,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    max_body_bytes: usize,
+    /// Seconds a shutdown waits for running requests before cancelling them.
+    #[arg(long, default_value_t = 30)]
+    shutdown_grace: u64,
     #[command(flatten)]
     device: DeviceArgs,
 }
@@ -209,6 +244,14 @@ fn parse_id_list(s: &str) -> Result<IdList, String> {
 }
 
 fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
@@ -270,6 +313,7 @@ fn run(cli: Cli) -> Result<()> {
             ))?;
             println!("{}", serde_json::json!({ "logits": logits }));
         }
+        Command::Serve(args) => serve(args)?,
         Command::Tokenize { model } => {
             let tokenizer = Tokenizer::from_model_dir(&model)?;
             let text = read_stdin()?;
@@ -417,6 +461,48 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
         println!();
     }
     Ok(())
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let (model, served) = match &args.model {
+        Some(dir) => ServedModel::load(dir)?,
+        None => ServedModel::demo()?,
+    };
+    let options = ServeOptions {
+        host: args.host,
+        port: args.port,
+        api_key: args.api_key,
+        max_batch: args.max_batch as usize,
+        max_queue: args.max_queue,
+        context: args.device.context,
+        prefill_chunk: args.prefill_chunk as usize,
+        max_body_bytes: args.max_body_bytes,
+        shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace),
+    };
+    match args.device.device {
+        Device::Cpu => lily::server::run(served, move || Ok(CpuBackend::new(model)), options),
+        Device::Cuda => serve_on_cuda(model, served, options),
+    }
+}
+
+/// Serves on the GPU: one CUDA sequence slot per `--max-batch`, each `--context` long.
+#[cfg(feature = "cuda")]
+fn serve_on_cuda(model: Arc<Model>, served: ServedModel, options: ServeOptions) -> Result<()> {
+    let cuda = lily::backend::cuda::CudaOptions {
+        max_context: options.context.min(served.max_position_embeddings),
+        max_sequences: options.max_batch,
+        use_graphs: true,
+    };
+    lily::server::run(
+        served,
+        move || lily::backend::cuda::CudaBackend::new(&model, cuda),
+        options,
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn serve_on_cuda(_: Arc<Model>, _: ServedModel, _: ServeOptions) -> Result<()> {
+    anyhow::bail!("this lily was built without CUDA: rebuild with `--features cuda`")
 }
 
 fn read_stdin() -> Result<String> {

@@ -45,7 +45,10 @@ pub struct Pushed {
 /// The output side of a sequence: ids so far, streaming detokenisation, stop conditions.
 pub struct Output<'t> {
     pub ids: Vec<u32>,
+    tokenizer: Option<&'t Tokenizer>,
     decoder: Option<IncrementalDecoder<'t>>,
+    /// Leave special (control) tokens out of the text, as OpenAI-style servers do.
+    skip_special_tokens: bool,
     stop: StopChecker,
     eos_token_ids: Vec<u32>,
     max_tokens: usize,
@@ -55,11 +58,20 @@ impl<'t> Output<'t> {
     pub fn new(params: &GenerationParams, tokenizer: Option<&'t Tokenizer>) -> Self {
         Self {
             ids: Vec::new(),
+            tokenizer,
             decoder: tokenizer.map(Tokenizer::incremental_decoder),
+            skip_special_tokens: false,
             stop: StopChecker::new(params.stop.clone()),
             eos_token_ids: params.eos_token_ids.clone(),
             max_tokens: params.max_tokens,
         }
+    }
+
+    /// Leaves special tokens (`<|im_start|>`, say) out of the text; tags the model writes as text
+    /// (`<think>`, `<tool_call>`) are not special and stay.
+    pub fn skipping_special_tokens(mut self) -> Self {
+        self.skip_special_tokens = true;
+        self
     }
 
     /// Records the next chosen id.
@@ -72,9 +84,10 @@ impl<'t> Output<'t> {
             });
         }
         self.ids.push(id);
+        let skipped = self.skip_special_tokens && self.tokenizer.is_some_and(|t| t.is_special(id));
         let piece = match &mut self.decoder {
-            Some(d) => d.push(id)?,
-            None => String::new(),
+            Some(d) if !skipped => d.push(id)?,
+            _ => String::new(),
         };
         let checked = self.stop.push(&piece);
         if checked.matched_stop.is_some() {

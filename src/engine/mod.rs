@@ -2,4 +2,5 @@
 
 pub mod generate;
 pub mod sampler;
+pub mod scheduler;
 pub mod stop;

@@ -1,0 +1,634 @@
+//! The engine loop: one thread owns the backend and runs every sequence; request handlers talk to
+//! it through channels.
+//!
+//! A handler [`submit`](EngineHandle::submit)s a [`GenerationRequest`] and receives [`Event`]s
+//! (one per chosen token, then the finish) on its own channel. The loop keeps a FIFO queue of
+//! waiting requests and admits them while fewer than `max_batch` sequences run. Each iteration
+//! prefills at most `prefill_chunk` prompt tokens (long prompts go in several chunks, appended
+//! to the same state) and then runs one batched decode step for every sequence past its prompt,
+//! so a long prompt delays the running streams by one chunk per step, not by its whole length.
+//! A sequence whose event receiver is gone (the client disconnected) is dropped, with its state,
+//! before the next step.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use super::generate::{FinishReason, GenerationParams, Output};
+use super::sampler::{Sampler, TokenLogprob, top_logprobs};
+use crate::backend::{Backend, LogitsFor};
+use crate::text::tokenizer::Tokenizer;
+
+/// Limits of the engine.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineOptions {
+    /// Sequences run at once (admitted and holding backend state).
+    pub max_batch: usize,
+    /// Requests that may wait for admission; more are refused.
+    pub max_queue: usize,
+    /// Prompt tokens prefilled per engine step.
+    pub prefill_chunk: usize,
+}
+
+/// One generation to run.
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    pub prompt: Vec<u32>,
+    pub params: GenerationParams,
+    /// `Some(k)`: report each chosen token's log-probability and the `k` most likely tokens.
+    pub logprobs: Option<usize>,
+    /// Added to the logits of the given ids before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+/// The log-probabilities reported for one chosen token.
+#[derive(Clone, Debug)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<TokenLogprob>,
+}
+
+/// What the engine reports about a request, in order: tokens, then `Finished` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    Token {
+        id: u32,
+        /// Text now final (may be empty while a character or a possible stop string is held).
+        text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
+    Finished {
+        reason: FinishReason,
+        completion_tokens: usize,
+    },
+    Failed(String),
+}
+
+/// Why a request was not queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the server is busy: the request queue is full")]
+    QueueFull,
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+/// Counters and gauges the engine keeps (read by `/metrics`).
+#[derive(Default)]
+pub struct EngineMetrics {
+    pub waiting: AtomicUsize,
+    pub running: AtomicUsize,
+    pub requests_finished: AtomicU64,
+    pub requests_failed: AtomicU64,
+    pub requests_cancelled: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub prefill_micros: AtomicU64,
+    pub decode_steps: AtomicU64,
+    pub decode_micros: AtomicU64,
+    pub time_to_first_token: Histogram,
+}
+
+/// A Prometheus-style histogram of durations.
+pub struct Histogram {
+    /// Upper bounds in seconds, ascending.
+    pub bounds: &'static [f64],
+    /// Observations at most each bound (not cumulative).
+    counts: Vec<AtomicU64>,
+    total_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        const BOUNDS: &[f64] = &[
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+        ];
+        Self {
+            bounds: BOUNDS,
+            counts: BOUNDS.iter().map(|_| AtomicU64::new(0)).collect(),
+            total_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let seconds = d.as_secs_f64();
+        if let Some(i) = self.bounds.iter().position(|&b| seconds <= b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.total_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Cumulative counts per bound, the sum in seconds and the number of observations.
+    pub fn snapshot(&self) -> (Vec<u64>, f64, u64) {
+        let mut running = 0;
+        let cumulative = self
+            .counts
+            .iter()
+            .map(|c| {
+                running += c.load(Ordering::Relaxed);
+                running
+            })
+            .collect();
+        (
+            cumulative,
+            self.total_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            self.count.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// State shared by the engine thread and its handles.
+struct Shared {
+    options: EngineOptions,
+    metrics: EngineMetrics,
+    accepting: AtomicBool,
+}
+
+/// What handles send to the engine thread.
+enum Message {
+    Submit(Submission),
+    CancelAll,
+}
+
+struct Submission {
+    request: GenerationRequest,
+    events: UnboundedSender<Event>,
+    submitted: Instant,
+}
+
+/// The engine: its thread and a handle to it. Dropping every handle lets the thread finish the
+/// work it has and exit; [`Engine::join`] waits for that.
+pub struct Engine {
+    handle: EngineHandle,
+    thread: JoinHandle<()>,
+}
+
+/// What handlers hold to talk to the engine (cheap to clone).
+#[derive(Clone)]
+pub struct EngineHandle {
+    messages: UnboundedSender<Message>,
+    shared: Arc<Shared>,
+    vocab_size: usize,
+}
+
+impl Engine {
+    /// Starts the engine thread, which builds its backend with `make_backend` (so the backend
+    /// never crosses threads) and detokenises with `tokenizer` (without one, events carry ids and
+    /// empty text). Returns once the backend is ready, or with its construction error.
+    pub fn start<B, F>(
+        make_backend: F,
+        tokenizer: Option<Arc<Tokenizer>>,
+        options: EngineOptions,
+    ) -> Result<Engine>
+    where
+        B: Backend,
+        F: FnOnce() -> Result<B> + Send + 'static,
+    {
+        anyhow::ensure!(options.max_batch >= 1, "max batch must be at least 1");
+        anyhow::ensure!(
+            options.prefill_chunk >= 1,
+            "prefill chunk must be at least 1"
+        );
+        let shared = Arc::new(Shared {
+            options,
+            metrics: EngineMetrics::default(),
+            accepting: AtomicBool::new(true),
+        });
+        let (messages, receiver) = unbounded_channel();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("lily-engine".into())
+            .spawn(move || {
+                let backend = match make_backend() {
+                    Ok(backend) => backend,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok(backend.config().vocab_size));
+                EngineLoop {
+                    backend: &backend,
+                    tokenizer: tokenizer.as_deref(),
+                    shared: &thread_shared,
+                    messages: receiver,
+                    waiting: VecDeque::new(),
+                    running: Vec::new(),
+                }
+                .run();
+            })
+            .context("cannot start the engine thread")?;
+        let vocab_size = ready_rx
+            .recv()
+            .context("the engine thread stopped while building its backend")??;
+        Ok(Engine {
+            handle: EngineHandle {
+                messages,
+                shared,
+                vocab_size,
+            },
+            thread,
+        })
+    }
+
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Waits for the engine thread to finish (after every handle is dropped and the running
+    /// sequences have ended).
+    pub fn join(self) {
+        drop(self.handle);
+        if self.thread.join().is_err() {
+            tracing::error!("the engine thread panicked");
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Queues a request; its events arrive on the returned receiver. Dropping the receiver
+    /// cancels the request.
+    pub fn submit(
+        &self,
+        request: GenerationRequest,
+    ) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        if !self.shared.accepting.load(Ordering::Acquire) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let max_queue = self.shared.options.max_queue;
+        self.shared
+            .metrics
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                (w < max_queue).then_some(w + 1)
+            })
+            .map_err(|_| SubmitError::QueueFull)?;
+        let (events, receiver) = unbounded_channel();
+        let submission = Submission {
+            request,
+            events,
+            submitted: Instant::now(),
+        };
+        if self.messages.send(Message::Submit(submission)).is_err() {
+            self.shared.metrics.waiting.fetch_sub(1, Ordering::AcqRel);
+            return Err(SubmitError::ShuttingDown);
+        }
+        Ok(receiver)
+    }
+
+    /// Refuses new requests from now on; queued and running ones continue.
+    pub fn stop_accepting(&self) {
+        self.shared.accepting.store(false, Ordering::Release);
+    }
+
+    /// Ends every queued and running request now (each gets [`Event::Failed`]).
+    pub fn cancel_all(&self) {
+        self.stop_accepting();
+        let _ = self.messages.send(Message::CancelAll);
+    }
+
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.shared.metrics
+    }
+
+    pub fn options(&self) -> EngineOptions {
+        self.shared.options
+    }
+
+    /// Rows of the model's logits (token ids must be below this).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+}
+
+/// One admitted request.
+struct Sequence<'t, S> {
+    state: S,
+    prompt: Vec<u32>,
+    /// Prompt tokens already prefilled.
+    prefilled: usize,
+    sampler: Sampler,
+    output: Output<'t>,
+    events: UnboundedSender<Event>,
+    /// The chosen token not yet fed to the model (set once the prompt is done).
+    next_token: Option<u32>,
+    logprobs: Option<usize>,
+    logit_bias: Vec<(u32, f32)>,
+    /// Plain argmax with nothing reported: the backend may pick the token itself.
+    device_greedy: bool,
+    submitted: Instant,
+    first_token_sent: bool,
+    done: bool,
+}
+
+struct EngineLoop<'a, B: Backend> {
+    backend: &'a B,
+    tokenizer: Option<&'a Tokenizer>,
+    shared: &'a Shared,
+    messages: UnboundedReceiver<Message>,
+    waiting: VecDeque<Submission>,
+    running: Vec<Sequence<'a, B::State>>,
+}
+
+impl<'a, B: Backend> EngineLoop<'a, B> {
+    fn run(mut self) {
+        loop {
+            if self.waiting.is_empty() && self.running.is_empty() {
+                match self.messages.blocking_recv() {
+                    Some(message) => self.receive(message),
+                    None => break,
+                }
+            }
+            while let Ok(message) = self.messages.try_recv() {
+                self.receive(message);
+            }
+            self.drop_cancelled();
+            self.admit();
+            self.prefill_step();
+            self.decode_step();
+            self.retire_finished();
+        }
+    }
+
+    fn receive(&mut self, message: Message) {
+        match message {
+            Message::Submit(submission) => self.waiting.push_back(submission),
+            Message::CancelAll => self.fail_everything("the server is shutting down"),
+        }
+    }
+
+    fn metrics(&self) -> &'a EngineMetrics {
+        &self.shared.metrics
+    }
+
+    fn fail_everything(&mut self, message: &str) {
+        let metrics = self.metrics();
+        for s in self.waiting.drain(..) {
+            metrics.waiting.fetch_sub(1, Ordering::AcqRel);
+            let _ = s.events.send(Event::Failed(message.to_owned()));
+        }
+        for s in self.running.drain(..) {
+            let _ = s.events.send(Event::Failed(message.to_owned()));
+        }
+        metrics.running.store(0, Ordering::Release);
+    }
+
+    /// Forgets requests whose client went away; a running one's state is freed here.
+    fn drop_cancelled(&mut self) {
+        let metrics = self.metrics();
+        self.waiting.retain(|s| {
+            let keep = !s.events.is_closed();
+            if !keep {
+                metrics.waiting.fetch_sub(1, Ordering::AcqRel);
+                metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            keep
+        });
+        for s in &mut self.running {
+            if s.events.is_closed() && !s.done {
+                s.done = true;
+                metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.retire_finished();
+    }
+
+    fn admit(&mut self) {
+        let metrics = self.metrics();
+        while self.running.len() < self.shared.options.max_batch {
+            let Some(submission) = self.waiting.pop_front() else {
+                break;
+            };
+            metrics.waiting.fetch_sub(1, Ordering::AcqRel);
+            let events = submission.events.clone();
+            match self.start(submission) {
+                Ok(sequence) => self.running.push(sequence),
+                Err(e) => {
+                    metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = events.send(Event::Failed(format!("{e:#}")));
+                }
+            }
+        }
+        metrics.running.store(self.running.len(), Ordering::Release);
+    }
+
+    fn start(&self, submission: Submission) -> Result<Sequence<'a, B::State>> {
+        let Submission {
+            request,
+            events,
+            submitted,
+        } = submission;
+        let vocab = self.backend.config().vocab_size;
+        anyhow::ensure!(!request.prompt.is_empty(), "the prompt is empty");
+        if let Some(&bad) = request
+            .prompt
+            .iter()
+            .chain(request.logit_bias.iter().map(|(id, _)| id))
+            .find(|&&id| id as usize >= vocab)
+        {
+            anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
+        }
+        let sampler = Sampler::new(request.params.sampling.clone(), &request.prompt)?;
+        let device_greedy = request.params.sampling.is_greedy()
+            && request.logprobs.is_none()
+            && request.logit_bias.is_empty();
+        Ok(Sequence {
+            state: self.backend.new_state()?,
+            prompt: request.prompt,
+            prefilled: 0,
+            sampler,
+            output: Output::new(&request.params, self.tokenizer).skipping_special_tokens(),
+            events,
+            next_token: None,
+            logprobs: request.logprobs,
+            logit_bias: request.logit_bias,
+            device_greedy,
+            submitted,
+            first_token_sent: false,
+            done: false,
+        })
+    }
+
+    /// Prefills up to `prefill_chunk` prompt tokens, oldest request first.
+    fn prefill_step(&mut self) {
+        let mut budget = self.shared.options.prefill_chunk;
+        let metrics = self.metrics();
+        for s in self.running.iter_mut() {
+            if budget == 0 {
+                break;
+            }
+            if s.done || s.prefilled == s.prompt.len() {
+                continue;
+            }
+            let end = s.prompt.len().min(s.prefilled + budget);
+            let chunk = &s.prompt[s.prefilled..end];
+            let last = end == s.prompt.len();
+            let start = Instant::now();
+            let result = self.backend.prefill(&mut s.state, chunk, LogitsFor::Last);
+            metrics
+                .prefill_micros
+                .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
+            metrics
+                .prompt_tokens
+                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            budget -= chunk.len();
+            s.prefilled = end;
+            match result {
+                Ok(mut logits) if last => {
+                    let chosen = choose(s, &mut logits, self.tokenizer);
+                    emit(s, chosen, metrics);
+                }
+                Ok(_) => {}
+                Err(e) => fail(s, &e, metrics),
+            }
+        }
+    }
+
+    /// One batched decode step for every sequence past its prompt.
+    fn decode_step(&mut self) {
+        let metrics = self.metrics();
+        let mut batch: Vec<&mut Sequence<'a, B::State>> = self
+            .running
+            .iter_mut()
+            .filter(|s| !s.done && s.next_token.is_some())
+            .collect();
+        if batch.is_empty() {
+            return;
+        }
+        let tokens: Vec<u32> = batch.iter().filter_map(|s| s.next_token).collect();
+        let device_greedy = batch.iter().all(|s| s.device_greedy);
+        let start = Instant::now();
+        let result = {
+            let mut states: Vec<&mut B::State> = batch.iter_mut().map(|s| &mut s.state).collect();
+            if device_greedy {
+                self.backend
+                    .decode_greedy(&mut states, &tokens)
+                    .map(Chosen::Ids)
+            } else {
+                self.backend
+                    .decode(&mut states, &tokens)
+                    .map(Chosen::Logits)
+            }
+        };
+        metrics
+            .decode_micros
+            .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
+        metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
+        match result {
+            Ok(Chosen::Ids(ids)) => {
+                for (s, id) in batch.into_iter().zip(ids) {
+                    emit(s, (id, None), metrics);
+                }
+            }
+            Ok(Chosen::Logits(mut logits)) => {
+                let vocab = self.backend.config().vocab_size;
+                for (s, row) in batch.into_iter().zip(logits.chunks_exact_mut(vocab)) {
+                    let chosen = choose(s, row, self.tokenizer);
+                    emit(s, chosen, metrics);
+                }
+            }
+            Err(e) => {
+                for s in batch {
+                    fail(s, &e, metrics);
+                }
+            }
+        }
+    }
+
+    fn retire_finished(&mut self) {
+        self.running.retain(|s| !s.done);
+        self.metrics()
+            .running
+            .store(self.running.len(), Ordering::Release);
+    }
+}
+
+enum Chosen {
+    Ids(Vec<u32>),
+    Logits(Vec<f32>),
+}
+
+/// Samples the next token of `s` from its logits, with the requested log-probabilities.
+fn choose<S>(
+    s: &mut Sequence<'_, S>,
+    logits: &mut [f32],
+    tokenizer: Option<&Tokenizer>,
+) -> (u32, Option<TokenLogprobs>) {
+    for &(id, bias) in &s.logit_bias {
+        logits[id as usize] += bias;
+    }
+    // Rows past the tokenizer's vocabulary (padding of the embedding) are not tokens.
+    if let Some(t) = tokenizer
+        && t.vocab_size() < logits.len()
+        && logits[..t.vocab_size()].iter().any(|l| l.is_finite())
+    {
+        logits[t.vocab_size()..].fill(f32::NEG_INFINITY);
+    }
+    if !logits.iter().any(|l| l.is_finite()) {
+        // Only a broken model gets here; the sampler needs one finite logit.
+        logits.fill(0.0);
+    }
+    let sampled = s.sampler.sample(logits);
+    let logprobs = s.logprobs.map(|k| TokenLogprobs {
+        logprob: sampled.logprob,
+        top: top_logprobs(logits, k),
+    });
+    (sampled.token_id, logprobs)
+}
+
+/// Records the chosen token of `s` and sends its event (and the finish, if it ends here).
+fn emit<S>(
+    s: &mut Sequence<'_, S>,
+    (id, logprobs): (u32, Option<TokenLogprobs>),
+    metrics: &EngineMetrics,
+) {
+    if !s.first_token_sent {
+        s.first_token_sent = true;
+        metrics.time_to_first_token.observe(s.submitted.elapsed());
+    }
+    metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
+    let pushed = match s.output.push(id) {
+        Ok(pushed) => pushed,
+        Err(e) => return fail(s, &e, metrics),
+    };
+    let sent = s.events.send(Event::Token {
+        id,
+        text: pushed.text,
+        logprobs,
+    });
+    if sent.is_err() {
+        s.done = true;
+        metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    match pushed.finish {
+        Some(reason) => {
+            s.done = true;
+            metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
+            let _ = s.events.send(Event::Finished {
+                reason,
+                completion_tokens: s.output.ids.len(),
+            });
+        }
+        None => s.next_token = Some(id),
+    }
+}
+
+fn fail<S>(s: &mut Sequence<'_, S>, error: &anyhow::Error, metrics: &EngineMetrics) {
+    tracing::warn!(error = format!("{error:#}"), "a sequence failed");
+    s.done = true;
+    metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+    let _ = s.events.send(Event::Failed(format!("{error:#}")));
+}

@@ -1,0 +1,580 @@
+//! `POST /v1/chat/completions`: a conversation rendered with the model's chat template,
+//! generated, and answered as a chat completion (whole, or streamed as chunks) with the reply
+//! split into `reasoning_content`, `content` and `tool_calls`.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use serde_json::{Map, Value, json};
+
+use super::errors::{ApiError, JsonObject, fields};
+use super::generation::{MAX_TOP_LOGPROBS, Plan, merged_events};
+use super::openai::{
+    AssistantMessage, ChatChoice, ChatCompletion, ChatFields, ChatLogprobs, ChatMessage,
+    ChatTokenLogprob, ChatTopLogprob, CommonFields, FunctionCallOut, MessageContent, ToolCallOut,
+    ToolChoice, Usage,
+};
+use super::reasoning::ReasoningSplitter;
+use super::stream::{ChunkWriter, chunk, sse_response};
+use super::tool_calls::{ParsedCall, ToolCallParser};
+use super::{AppState, unix_now};
+use crate::engine::generate::FinishReason;
+use crate::engine::scheduler::{Event, TokenLogprobs};
+use crate::text::tokenizer::Tokenizer;
+
+pub async fn chat_completions(
+    State(app): State<Arc<AppState>>,
+    JsonObject(body): JsonObject,
+) -> Result<Response, ApiError> {
+    let common: CommonFields = fields(&body)?;
+    let chat: ChatFields = fields(&body)?;
+    let max_tokens = match (chat.max_completion_tokens, common.max_tokens) {
+        (Some(m), _) => Some((m, "max_completion_tokens")),
+        (None, Some(m)) => Some((m, "max_tokens")),
+        (None, None) => None,
+    };
+    let plan = Plan::read(common, max_tokens, &app)?;
+    let (Some(tokenizer), Some(template)) = (&app.model.tokenizer, &app.model.chat_template) else {
+        return Err(ApiError::invalid(
+            "messages",
+            "This model has no tokenizer (tokenizer.json), so it cannot chat; use \
+             /v1/completions with token-id prompts.",
+        ));
+    };
+    if let Some(format) = &chat.response_format
+        && format.kind != "text"
+    {
+        return Err(ApiError::invalid(
+            "response_format",
+            format!(
+                "response_format `{}` is not supported (only `text`).",
+                format.kind
+            ),
+        ));
+    }
+    let logprobs = match (chat.logprobs, chat.top_logprobs) {
+        (false, None | Some(0)) => None,
+        (false, Some(_)) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs: true`.",
+            ));
+        }
+        (true, None) => Some(0),
+        (true, Some(k)) if (0..=MAX_TOP_LOGPROBS).contains(&k) => Some(k as usize),
+        (true, Some(k)) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}."),
+            ));
+        }
+    };
+    let tools = chat.tools.unwrap_or_default();
+    if let Some(tool) = tools.iter().find(|t| t.kind != "function") {
+        return Err(ApiError::invalid(
+            "tools",
+            format!(
+                "Tool type `{}` is not supported (only `function`).",
+                tool.kind
+            ),
+        ));
+    }
+    let parse_tool_calls = match &chat.tool_choice {
+        None => !tools.is_empty(),
+        Some(ToolChoice::Mode(mode)) if mode == "auto" => !tools.is_empty(),
+        Some(ToolChoice::Mode(mode)) if mode == "none" => false,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "Only `tool_choice` \"auto\" and \"none\" are supported: lily does not force \
+                 tool calls.",
+            ));
+        }
+    };
+
+    let mut context = chat.chat_template_kwargs.unwrap_or_default();
+    context.insert("messages".into(), template_messages(chat.messages)?);
+    if !tools.is_empty() {
+        context.insert("tools".into(), body["tools"].clone());
+    }
+    if let Some(choice) = body.get("tool_choice") {
+        context.insert("tool_choice".into(), choice.clone());
+    }
+    context
+        .entry("add_generation_prompt")
+        .or_insert(Value::Bool(true));
+    let prompt_text = template
+        .render(&Value::Object(context))
+        .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
+    let prompt = tokenizer
+        .encode(&prompt_text)
+        .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
+    let budget = plan.token_budget(prompt.len(), "messages", &app)?;
+    let receivers = plan.submit(&app, &prompt, budget, logprobs)?;
+
+    let reply = Reply {
+        id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
+        created: unix_now(),
+        model: app.model.name().to_owned(),
+        tokenizer: tokenizer.clone(),
+        prompt_tokens: prompt.len(),
+        prompt_ids: plan.return_token_ids.then_some(prompt.clone()),
+        choices: (0..plan.n)
+            .map(|_| ChoiceOutput {
+                splitter: ReasoningSplitter::new(prompt_text.trim_end().ends_with("<think>")),
+                tool_parser: parse_tool_calls.then(|| ToolCallParser::new(tools.clone())),
+                tool_calls: 0,
+                message: AssistantMessage::default(),
+                logprobs: logprobs.map(|_| ChatLogprobs::default()),
+                token_ids: Vec::new(),
+                finish: None,
+                completion_tokens: 0,
+            })
+            .collect(),
+        include_usage: plan.include_usage,
+        return_token_ids: plan.return_token_ids,
+    };
+    let events = merged_events(receivers);
+    if plan.stream {
+        return Ok(sse_response(events, reply));
+    }
+    let mut reply = reply;
+    let mut events = events;
+    while let Some((index, event)) = events.next().await {
+        reply.record(index, event)?;
+    }
+    Ok(axum::Json(reply.completion()).into_response())
+}
+
+/// Messages as the template expects them: OpenAI's `developer` role as `system`, text parts
+/// kept, and tool-call arguments (a JSON string in OpenAI's format) as objects.
+fn template_messages(messages: Vec<ChatMessage>) -> Result<Value, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` is empty."));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, message) in messages.into_iter().enumerate() {
+        let role = match message.role.as_str() {
+            "developer" | "system" => "system",
+            role @ ("user" | "assistant" | "tool") => role,
+            other => {
+                return Err(ApiError::invalid(
+                    "messages",
+                    format!("messages[{i}]: unknown role `{other}`."),
+                ));
+            }
+        };
+        let mut m = Map::new();
+        m.insert("role".into(), role.into());
+        let content = match message.content {
+            None => Value::Null,
+            Some(MessageContent::Text(text)) => Value::String(text),
+            Some(MessageContent::Parts(parts)) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for part in parts {
+                    match (part.kind.as_str(), part.text) {
+                        ("text", Some(text)) => texts.push(json!({"type": "text", "text": text})),
+                        (kind, _) => {
+                            return Err(ApiError::invalid(
+                                "messages",
+                                format!(
+                                    "messages[{i}]: content parts of type `{kind}` are not \
+                                     supported (only `text` with a `text` field)."
+                                ),
+                            ));
+                        }
+                    }
+                }
+                Value::Array(texts)
+            }
+        };
+        m.insert("content".into(), content);
+        if let Some(name) = message.name {
+            m.insert("name".into(), name.into());
+        }
+        if let Some(id) = message.tool_call_id {
+            m.insert("tool_call_id".into(), id.into());
+        }
+        if let Some(reasoning) = message.reasoning_content {
+            m.insert("reasoning_content".into(), reasoning.into());
+        }
+        if let Some(calls) = message.tool_calls {
+            let calls = calls
+                .into_iter()
+                .map(|call| {
+                    let arguments = match call.function.arguments {
+                        Value::String(text) if text.trim().is_empty() => json!({}),
+                        Value::String(text) => serde_json::from_str::<Value>(&text)
+                            .ok()
+                            .filter(Value::is_object)
+                            .ok_or_else(|| {
+                                ApiError::invalid(
+                                    "messages",
+                                    format!(
+                                        "messages[{i}]: tool call arguments must be a JSON \
+                                         object (as a string)."
+                                    ),
+                                )
+                            })?,
+                        Value::Null => json!({}),
+                        other => other,
+                    };
+                    Ok(json!({
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": arguments},
+                    }))
+                })
+                .collect::<Result<Vec<_>, ApiError>>()?;
+            m.insert("tool_calls".into(), Value::Array(calls));
+        }
+        out.push(Value::Object(m));
+    }
+    Ok(Value::Array(out))
+}
+
+/// One choice's reply being assembled.
+struct ChoiceOutput {
+    splitter: ReasoningSplitter,
+    /// Present when the request has tools and lets the model call them.
+    tool_parser: Option<ToolCallParser>,
+    tool_calls: usize,
+    /// The whole reply so far (non-streaming responses).
+    message: AssistantMessage,
+    logprobs: Option<ChatLogprobs>,
+    token_ids: Vec<u32>,
+    finish: Option<&'static str>,
+    completion_tokens: usize,
+}
+
+impl ChoiceOutput {
+    /// Sorts reply text into reasoning, content and tool calls: the delta it adds.
+    fn push(&mut self, text: &str, end: bool) -> AssistantMessage {
+        let mut split = self.splitter.push(text);
+        if end {
+            let rest = self.splitter.finish();
+            split.reasoning.push_str(&rest.reasoning);
+            split.content.push_str(&rest.content);
+        }
+        let mut delta = AssistantMessage::default();
+        let (content, calls) = match &mut self.tool_parser {
+            None => (split.content, Vec::new()),
+            Some(parser) => {
+                let mut parsed = parser.push(&split.content);
+                if end {
+                    let rest = parser.finish();
+                    parsed.content.push_str(&rest.content);
+                    parsed.calls.extend(rest.calls);
+                }
+                (parsed.content, parsed.calls)
+            }
+        };
+        if !split.reasoning.is_empty() {
+            delta.reasoning_content = Some(split.reasoning);
+        }
+        if !content.is_empty() {
+            delta.content = Some(content);
+        }
+        delta.tool_calls = calls.into_iter().map(|call| self.tool_call(call)).collect();
+        delta
+    }
+
+    fn tool_call(&mut self, call: ParsedCall) -> ToolCallOut {
+        let index = self.tool_calls;
+        self.tool_calls += 1;
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        ToolCallOut {
+            index: Some(index),
+            id: format!("call_{}", &id[..24]),
+            kind: "function",
+            function: FunctionCallOut {
+                name: call.name,
+                arguments: Value::Object(call.arguments).to_string(),
+            },
+        }
+    }
+
+    fn made_calls(&self) -> bool {
+        self.tool_parser
+            .as_ref()
+            .is_some_and(ToolCallParser::made_calls)
+    }
+
+    /// Adds a delta to the whole message.
+    fn accumulate(&mut self, delta: &AssistantMessage) {
+        let append = |into: &mut Option<String>, more: &Option<String>| {
+            if let Some(more) = more {
+                into.get_or_insert_with(String::new).push_str(more);
+            }
+        };
+        append(
+            &mut self.message.reasoning_content,
+            &delta.reasoning_content,
+        );
+        append(&mut self.message.content, &delta.content);
+        self.message
+            .tool_calls
+            .extend(delta.tool_calls.iter().map(|c| ToolCallOut {
+                index: None,
+                ..c.clone()
+            }));
+    }
+}
+
+/// A chat completion being assembled from engine events (whole or as a stream).
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    tokenizer: Arc<Tokenizer>,
+    prompt_tokens: usize,
+    prompt_ids: Option<Vec<u32>>,
+    choices: Vec<ChoiceOutput>,
+    include_usage: bool,
+    return_token_ids: bool,
+}
+
+/// What one event added to a choice.
+struct Step {
+    delta: AssistantMessage,
+    logprobs: Option<ChatTokenLogprob>,
+    finish: Option<&'static str>,
+    token_id: Option<u32>,
+}
+
+impl Reply {
+    /// Applies an event to its choice.
+    fn step(&mut self, index: usize, event: Event) -> Result<Step, ApiError> {
+        let tokenizer = self.tokenizer.clone();
+        let choice = &mut self.choices[index];
+        match event {
+            Event::Token { id, text, logprobs } => {
+                choice.token_ids.push(id);
+                let delta = choice.push(&text, false);
+                let logprobs = logprobs.map(|l| token_logprob(&tokenizer, id, &l));
+                Ok(Step {
+                    delta,
+                    logprobs,
+                    finish: None,
+                    token_id: Some(id),
+                })
+            }
+            Event::Finished {
+                reason,
+                completion_tokens,
+            } => {
+                let delta = choice.push("", true);
+                choice.completion_tokens = completion_tokens;
+                let finish = match reason {
+                    FinishReason::Stop if choice.made_calls() => "tool_calls",
+                    FinishReason::Stop => "stop",
+                    FinishReason::Length => "length",
+                };
+                choice.finish = Some(finish);
+                Ok(Step {
+                    delta,
+                    logprobs: None,
+                    finish: Some(finish),
+                    token_id: None,
+                })
+            }
+            Event::Failed(message) => Err(ApiError::internal(message)),
+        }
+    }
+
+    /// Non-streaming: records an event into the whole reply.
+    fn record(&mut self, index: usize, event: Event) -> Result<(), ApiError> {
+        let step = self.step(index, event)?;
+        let choice = &mut self.choices[index];
+        choice.accumulate(&step.delta);
+        if let (Some(all), Some(one)) = (&mut choice.logprobs, step.logprobs) {
+            all.content.push(one);
+        }
+        Ok(())
+    }
+
+    fn usage(&self) -> Usage {
+        Usage::new(
+            self.prompt_tokens,
+            self.choices.iter().map(|c| c.completion_tokens).sum(),
+        )
+    }
+
+    fn envelope(&self, object: &'static str, choices: Vec<ChatChoice>) -> ChatCompletion {
+        ChatCompletion {
+            id: self.id.clone(),
+            object,
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: None,
+            prompt_token_ids: None,
+        }
+    }
+
+    fn completion(mut self) -> ChatCompletion {
+        let usage = self.usage();
+        let return_token_ids = self.return_token_ids;
+        let choices = std::mem::take(&mut self.choices)
+            .into_iter()
+            .enumerate()
+            .map(|(index, mut c)| {
+                let has_calls = !c.message.tool_calls.is_empty();
+                c.message.role = Some("assistant");
+                if c.message.content.is_none() && !has_calls {
+                    c.message.content = Some(String::new());
+                }
+                ChatChoice {
+                    index,
+                    message: Some(c.message),
+                    delta: None,
+                    logprobs: c.logprobs,
+                    finish_reason: c.finish,
+                    token_ids: return_token_ids.then_some(c.token_ids),
+                }
+            })
+            .collect();
+        let mut completion = self.envelope("chat.completion", choices);
+        completion.usage = Some(Some(usage));
+        completion.prompt_token_ids = self.prompt_ids.take();
+        completion
+    }
+
+    fn chunk_for(
+        &self,
+        index: usize,
+        delta: AssistantMessage,
+        step: Option<Step>,
+    ) -> ChatCompletion {
+        let (logprobs, finish, token_ids) = match step {
+            Some(s) => (
+                s.logprobs.map(|l| ChatLogprobs { content: vec![l] }),
+                s.finish,
+                s.token_id.map(|id| vec![id]),
+            ),
+            None => (None, None, None),
+        };
+        let mut c = self.envelope(
+            "chat.completion.chunk",
+            vec![ChatChoice {
+                index,
+                message: None,
+                delta: Some(delta),
+                logprobs,
+                finish_reason: finish,
+                token_ids: if self.return_token_ids {
+                    Some(token_ids.unwrap_or_default())
+                } else {
+                    None
+                },
+            }],
+        );
+        if self.include_usage {
+            c.usage = Some(None);
+        }
+        c
+    }
+}
+
+impl ChunkWriter for Reply {
+    fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<String>, ApiError> {
+        let first =
+            self.choices[index].token_ids.is_empty() && self.choices[index].finish.is_none();
+        let mut out = Vec::new();
+        if first {
+            // The first chunk of a choice carries the role (and the prompt ids, if asked for).
+            let delta = AssistantMessage {
+                role: Some("assistant"),
+                content: Some(String::new()),
+                ..Default::default()
+            };
+            let mut c = self.chunk_for(index, delta, None);
+            c.prompt_token_ids = self.prompt_ids.clone();
+            out.push(chunk(&c));
+        }
+        let mut step = self.step(index, event)?;
+        let delta = std::mem::take(&mut step.delta);
+        let empty = delta.content.is_none()
+            && delta.reasoning_content.is_none()
+            && delta.tool_calls.is_empty();
+        if !empty || step.logprobs.is_some() || step.finish.is_some() || self.return_token_ids {
+            out.push(chunk(&self.chunk_for(index, delta, Some(step))));
+        }
+        Ok(out)
+    }
+
+    fn on_end(&mut self) -> Vec<String> {
+        if !self.include_usage {
+            return Vec::new();
+        }
+        let mut c = self.envelope("chat.completion.chunk", Vec::new());
+        c.usage = Some(Some(self.usage()));
+        vec![chunk(&c)]
+    }
+}
+
+/// The text of one token (special tokens included), for log-probability listings.
+pub fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
+    tokenizer.decode(&[id]).unwrap_or_default()
+}
+
+fn token_logprob(tokenizer: &Tokenizer, id: u32, l: &TokenLogprobs) -> ChatTokenLogprob {
+    let token = token_text(tokenizer, id);
+    ChatTokenLogprob {
+        bytes: token.as_bytes().to_vec(),
+        token,
+        logprob: l.logprob,
+        top_logprobs: l
+            .top
+            .iter()
+            .map(|t| {
+                let token = token_text(tokenizer, t.token_id);
+                ChatTopLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob: t.logprob,
+                }
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn messages(v: Value) -> Result<Value, ApiError> {
+        template_messages(serde_json::from_value(v).unwrap())
+    }
+
+    #[test]
+    fn tool_call_arguments_become_objects_for_the_template() {
+        let out = messages(json!([
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]))
+        .unwrap();
+        assert_eq!(out[0]["role"], "system");
+        assert_eq!(out[1]["content"][0]["text"], "weather?");
+        assert_eq!(
+            out[2]["tool_calls"][0]["function"]["arguments"],
+            json!({"city": "Paris"})
+        );
+        assert_eq!(out[3]["tool_call_id"], "call_1");
+    }
+
+    #[test]
+    fn unsupported_messages_are_refused() {
+        assert!(messages(json!([])).is_err());
+        assert!(messages(json!([{"role": "wizard", "content": "x"}])).is_err());
+        let image = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]);
+        assert!(messages(image).is_err());
+        let bad_args = json!([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]);
+        assert!(messages(bad_args).is_err());
+    }
+}

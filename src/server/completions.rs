@@ -1,0 +1,337 @@
+//! `POST /v1/completions`: a raw prompt (text or token ids, no chat template) continued and
+//! answered as a text completion, whole or streamed.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use serde_json::{Map, Value};
+
+use super::chat::token_text;
+use super::errors::{ApiError, JsonObject, fields};
+use super::generation::{MAX_TOP_LOGPROBS, Plan, merged_events};
+use super::openai::{
+    CommonFields, Completion, CompletionChoice, CompletionFields, CompletionLogprobs, Prompt, Usage,
+};
+use super::stream::{ChunkWriter, chunk, sse_response};
+use super::{AppState, unix_now};
+use crate::engine::generate::FinishReason;
+use crate::engine::scheduler::{Event, TokenLogprobs};
+use crate::text::tokenizer::Tokenizer;
+
+pub async fn completions(
+    State(app): State<Arc<AppState>>,
+    JsonObject(body): JsonObject,
+) -> Result<Response, ApiError> {
+    let common: CommonFields = fields(&body)?;
+    let fields: CompletionFields = fields(&body)?;
+    let max_tokens = common.max_tokens.map(|m| (m, "max_tokens"));
+    let plan = Plan::read(common, max_tokens, &app)?;
+    if fields.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("suffix", "`suffix` is not supported."));
+    }
+    if let Some(best_of) = fields.best_of
+        && best_of != plan.n as i64
+    {
+        return Err(ApiError::invalid(
+            "best_of",
+            "`best_of` is not supported (other than equal to `n`).",
+        ));
+    }
+    let logprobs = match fields.logprobs {
+        None => None,
+        Some(k) if (0..=MAX_TOP_LOGPROBS).contains(&k) => Some(k as usize),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("`logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}."),
+            ));
+        }
+    };
+    if fields.echo && logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "echo",
+            "`echo` together with `logprobs` is not supported.",
+        ));
+    }
+    let tokenizer = app.model.tokenizer.clone();
+    let (prompt, prompt_text) = match fields.prompt {
+        Prompt::Text(text) => text_prompt(tokenizer.as_deref(), text)?,
+        Prompt::Texts(mut texts) if texts.len() == 1 => {
+            text_prompt(tokenizer.as_deref(), texts.remove(0))?
+        }
+        Prompt::Ids(ids) => id_prompt(&app, tokenizer.as_deref(), ids)?,
+        Prompt::IdLists(mut lists) if lists.len() == 1 => {
+            id_prompt(&app, tokenizer.as_deref(), lists.remove(0))?
+        }
+        Prompt::Texts(_) | Prompt::IdLists(_) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "Batches of prompts are not supported: send one prompt per request (use `n` for \
+                 several completions of one prompt).",
+            ));
+        }
+    };
+    let budget = plan.token_budget(prompt.len(), "prompt", &app)?;
+    let receivers = plan.submit(&app, &prompt, budget, logprobs)?;
+    let reply = Reply {
+        id: format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
+        created: unix_now(),
+        model: app.model.name().to_owned(),
+        tokenizer,
+        prompt_tokens: prompt.len(),
+        prompt_ids: plan.return_token_ids.then_some(prompt),
+        echo: fields.echo.then_some(prompt_text),
+        choices: (0..plan.n)
+            .map(|_| ChoiceOutput {
+                text: String::new(),
+                logprobs: logprobs.map(|_| CompletionLogprobs::default()),
+                token_ids: Vec::new(),
+                finish: None,
+                completion_tokens: 0,
+                started: false,
+            })
+            .collect(),
+        include_usage: plan.include_usage,
+        return_token_ids: plan.return_token_ids,
+    };
+    let events = merged_events(receivers);
+    if plan.stream {
+        return Ok(sse_response(events, reply));
+    }
+    let mut reply = reply;
+    let mut events = events;
+    while let Some((index, event)) = events.next().await {
+        reply.step(index, event)?;
+    }
+    Ok(axum::Json(reply.completion()).into_response())
+}
+
+fn text_prompt(
+    tokenizer: Option<&Tokenizer>,
+    text: String,
+) -> Result<(Vec<u32>, String), ApiError> {
+    let tokenizer = tokenizer.ok_or_else(|| {
+        ApiError::invalid(
+            "prompt",
+            "This model has no tokenizer (tokenizer.json): give the prompt as token ids.",
+        )
+    })?;
+    let ids = tokenizer
+        .encode(&text)
+        .map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?;
+    Ok((ids, text))
+}
+
+fn id_prompt(
+    app: &AppState,
+    tokenizer: Option<&Tokenizer>,
+    ids: Vec<u32>,
+) -> Result<(Vec<u32>, String), ApiError> {
+    let vocab = app.engine.vocab_size();
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("Token id {bad} is outside the vocabulary (size {vocab})."),
+        ));
+    }
+    let text = tokenizer
+        .and_then(|t| t.decode(&ids).ok())
+        .unwrap_or_default();
+    Ok((ids, text))
+}
+
+struct ChoiceOutput {
+    text: String,
+    logprobs: Option<CompletionLogprobs>,
+    token_ids: Vec<u32>,
+    finish: Option<&'static str>,
+    completion_tokens: usize,
+    /// Whether a chunk of this choice has been streamed (the echo goes in the first).
+    started: bool,
+}
+
+/// A text completion being assembled from engine events (whole or as a stream).
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    tokenizer: Option<Arc<Tokenizer>>,
+    prompt_tokens: usize,
+    prompt_ids: Option<Vec<u32>>,
+    echo: Option<String>,
+    choices: Vec<ChoiceOutput>,
+    include_usage: bool,
+    return_token_ids: bool,
+}
+
+/// What one event added to a choice.
+struct Step {
+    text: String,
+    logprobs: Option<CompletionLogprobs>,
+    finish: Option<&'static str>,
+    token_id: Option<u32>,
+}
+
+impl Reply {
+    fn step(&mut self, index: usize, event: Event) -> Result<Step, ApiError> {
+        let choice = &mut self.choices[index];
+        match event {
+            Event::Token { id, text, logprobs } => {
+                choice.token_ids.push(id);
+                let offset = self.echo.as_ref().map_or(0, String::len) + choice.text.len();
+                let logprobs = match (&mut choice.logprobs, logprobs) {
+                    (Some(all), Some(l)) => {
+                        let one = legacy_logprobs(self.tokenizer.as_deref(), id, &l, offset);
+                        extend(all, &one);
+                        Some(one)
+                    }
+                    _ => None,
+                };
+                choice.text.push_str(&text);
+                Ok(Step {
+                    text,
+                    logprobs,
+                    finish: None,
+                    token_id: Some(id),
+                })
+            }
+            Event::Finished {
+                reason,
+                completion_tokens,
+            } => {
+                choice.completion_tokens = completion_tokens;
+                let finish = match reason {
+                    FinishReason::Stop => "stop",
+                    FinishReason::Length => "length",
+                };
+                choice.finish = Some(finish);
+                Ok(Step {
+                    text: String::new(),
+                    logprobs: None,
+                    finish: Some(finish),
+                    token_id: None,
+                })
+            }
+            Event::Failed(message) => Err(ApiError::internal(message)),
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        Usage::new(
+            self.prompt_tokens,
+            self.choices.iter().map(|c| c.completion_tokens).sum(),
+        )
+    }
+
+    fn envelope(&self, choices: Vec<CompletionChoice>) -> Completion {
+        Completion {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: None,
+            prompt_token_ids: None,
+        }
+    }
+
+    fn completion(mut self) -> Completion {
+        let usage = self.usage();
+        let echo = self.echo.take().unwrap_or_default();
+        let return_token_ids = self.return_token_ids;
+        let choices = std::mem::take(&mut self.choices)
+            .into_iter()
+            .enumerate()
+            .map(|(index, c)| CompletionChoice {
+                index,
+                text: format!("{echo}{}", c.text),
+                logprobs: c.logprobs,
+                finish_reason: c.finish,
+                token_ids: return_token_ids.then_some(c.token_ids),
+            })
+            .collect();
+        let mut completion = self.envelope(choices);
+        completion.usage = Some(Some(usage));
+        completion.prompt_token_ids = self.prompt_ids.take();
+        completion
+    }
+}
+
+impl ChunkWriter for Reply {
+    fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<String>, ApiError> {
+        let step = self.step(index, event)?;
+        let choice = &mut self.choices[index];
+        let first = !choice.started;
+        choice.started = true;
+        let mut text = step.text;
+        if first && let Some(echo) = &self.echo {
+            text.insert_str(0, echo);
+        }
+        if text.is_empty()
+            && step.logprobs.is_none()
+            && step.finish.is_none()
+            && !self.return_token_ids
+            && !first
+        {
+            return Ok(Vec::new());
+        }
+        let mut c = self.envelope(vec![CompletionChoice {
+            index,
+            text,
+            logprobs: step.logprobs,
+            finish_reason: step.finish,
+            token_ids: self
+                .return_token_ids
+                .then(|| step.token_id.into_iter().collect()),
+        }]);
+        if first {
+            c.prompt_token_ids = self.prompt_ids.clone();
+        }
+        if self.include_usage {
+            c.usage = Some(None);
+        }
+        Ok(vec![chunk(&c)])
+    }
+
+    fn on_end(&mut self) -> Vec<String> {
+        if !self.include_usage {
+            return Vec::new();
+        }
+        let mut c = self.envelope(Vec::new());
+        c.usage = Some(Some(self.usage()));
+        vec![chunk(&c)]
+    }
+}
+
+/// One token in the legacy format: its text, log-probability, top alternatives, text offset.
+fn legacy_logprobs(
+    tokenizer: Option<&Tokenizer>,
+    id: u32,
+    l: &TokenLogprobs,
+    offset: usize,
+) -> CompletionLogprobs {
+    let text = |id: u32| match tokenizer {
+        Some(t) => token_text(t, id),
+        None => format!("token_id:{id}"),
+    };
+    let top: Map<String, Value> = l
+        .top
+        .iter()
+        .map(|t| (text(t.token_id), Value::from(t.logprob)))
+        .collect();
+    CompletionLogprobs {
+        tokens: vec![text(id)],
+        token_logprobs: vec![l.logprob],
+        top_logprobs: vec![top],
+        text_offset: vec![offset],
+    }
+}
+
+fn extend(all: &mut CompletionLogprobs, one: &CompletionLogprobs) {
+    all.tokens.extend(one.tokens.iter().cloned());
+    all.token_logprobs.extend(&one.token_logprobs);
+    all.top_logprobs.extend(one.top_logprobs.iter().cloned());
+    all.text_offset.extend(&one.text_offset);
+}

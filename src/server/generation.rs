@@ -1,0 +1,237 @@
+//! What both generation endpoints share: reading the common request fields into engine
+//! requests (model name, sampling, stop strings, `n`, token budget), submitting them, and
+//! reading their events back as one stream of `(choice index, event)`.
+
+use futures_util::stream::{self, BoxStream, StreamExt};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::AppState;
+use super::errors::ApiError;
+use super::openai::CommonFields;
+use crate::engine::generate::GenerationParams;
+use crate::engine::sampler::SamplingParams;
+use crate::engine::scheduler::{Event, GenerationRequest};
+
+/// The most choices (`n`) one request may ask for.
+const MAX_CHOICES: usize = 16;
+/// The most stop strings one request may give.
+const MAX_STOP_STRINGS: usize = 16;
+/// The largest `top_logprobs` / `logprobs` count.
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// The common fields of a request, checked.
+#[derive(Debug)]
+pub struct Plan {
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub return_token_ids: bool,
+    /// `max_tokens` as given (at least 1); the default fills the context.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Plan {
+    /// Checks the common fields against the served model; `max_tokens` is the endpoint's
+    /// token budget field (chat also accepts `max_completion_tokens`).
+    pub fn read(
+        common: CommonFields,
+        max_tokens: Option<(i64, &'static str)>,
+        app: &AppState,
+    ) -> Result<Self, ApiError> {
+        if let Some(model) = &common.model
+            && !app.model_names().any(|name| name == model)
+        {
+            return Err(ApiError::model_not_found(model));
+        }
+        let n = match common.n {
+            None => 1,
+            Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+            Some(n) => {
+                return Err(ApiError::invalid(
+                    "n",
+                    format!("`n` must be between 1 and {MAX_CHOICES}, got {n}."),
+                ));
+            }
+        };
+        let max_tokens = match max_tokens {
+            None => None,
+            Some((m, _)) if m >= 1 => Some(m as usize),
+            Some((m, field)) => {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("`{field}` must be at least 1, got {m}."),
+                ));
+            }
+        };
+        let defaults = &app.model.sampling_defaults;
+        let top_k = match common.top_k {
+            None => defaults.top_k,
+            Some(-1 | 0) => 0,
+            Some(k) if k > 0 => k as usize,
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("`top_k` must be -1 (off) or positive, got {k}."),
+                ));
+            }
+        };
+        let sampling = SamplingParams {
+            temperature: common.temperature.unwrap_or(defaults.temperature),
+            top_k,
+            top_p: common.top_p.unwrap_or(defaults.top_p),
+            min_p: common.min_p.unwrap_or(defaults.min_p),
+            repetition_penalty: common
+                .repetition_penalty
+                .unwrap_or(defaults.repetition_penalty),
+            presence_penalty: common.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: common.frequency_penalty.unwrap_or(0.0),
+            seed: common.seed.map(|s| s as u64),
+        };
+        sampling
+            .validate()
+            .map_err(|e| ApiError::invalid(e.field, e.to_string()))?;
+        let stop = common.stop.map(|s| s.into_vec()).unwrap_or_default();
+        if stop.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid(
+                "stop",
+                format!("At most {MAX_STOP_STRINGS} stop strings are supported."),
+            ));
+        }
+        if !stop.is_empty() && app.model.tokenizer.is_none() {
+            return Err(ApiError::invalid(
+                "stop",
+                "Stop strings need a tokenizer, and this model has none (no tokenizer.json).",
+            ));
+        }
+        let logit_bias = common
+            .logit_bias
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(key, bias)| {
+                let id = key
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|&id| (id as usize) < app.engine.vocab_size());
+                let bias = bias
+                    .as_f64()
+                    .filter(|b| (-100.0..=100.0).contains(b))
+                    .map(|b| b as f32);
+                match (id, bias) {
+                    (Some(id), Some(bias)) => Ok((id, bias)),
+                    _ => Err(ApiError::invalid(
+                        "logit_bias",
+                        format!(
+                            "`logit_bias` maps token ids (below {}) to numbers in [-100, 100]; \
+                             entry {key:?} is not one.",
+                            app.engine.vocab_size()
+                        ),
+                    )),
+                }
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            n,
+            stream: common.stream,
+            include_usage: common.stream_options.is_some_and(|o| o.include_usage),
+            return_token_ids: common.return_token_ids,
+            max_tokens,
+            sampling,
+            stop,
+            logit_bias,
+        })
+    }
+
+    /// Checks that the prompt and the requested output fit the context; returns the token budget.
+    pub fn token_budget(
+        &self,
+        prompt_tokens: usize,
+        prompt_param: &'static str,
+        app: &AppState,
+    ) -> Result<usize, ApiError> {
+        let context = app.context;
+        if prompt_tokens == 0 {
+            return Err(ApiError::invalid(prompt_param, "The prompt is empty."));
+        }
+        if prompt_tokens >= context {
+            return Err(ApiError::invalid(
+                prompt_param,
+                format!(
+                    "This model's maximum context length is {context} tokens. However, your \
+                     prompt has {prompt_tokens} tokens, leaving no room for a completion."
+                ),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        match self.max_tokens {
+            None => Ok(context - prompt_tokens),
+            Some(m) if prompt_tokens + m <= context => Ok(m),
+            Some(m) => Err(ApiError::invalid(
+                "max_tokens",
+                format!(
+                    "This model's maximum context length is {context} tokens. However, you \
+                     requested {} tokens ({prompt_tokens} in the prompt, {m} for the \
+                     completion). Please reduce the prompt or the completion length.",
+                    prompt_tokens + m
+                ),
+            )
+            .with_code("context_length_exceeded")),
+        }
+    }
+
+    /// Queues one engine request per choice. With a seed, choice `i` draws with `seed + i`, so
+    /// choices differ but the response is reproducible.
+    pub fn submit(
+        &self,
+        app: &AppState,
+        prompt: &[u32],
+        max_tokens: usize,
+        logprobs: Option<usize>,
+    ) -> Result<Vec<UnboundedReceiver<Event>>, ApiError> {
+        (0..self.n)
+            .map(|i| {
+                let mut sampling = self.sampling.clone();
+                sampling.seed = sampling.seed.map(|s| s.wrapping_add(i as u64));
+                let request = GenerationRequest {
+                    prompt: prompt.to_vec(),
+                    params: GenerationParams {
+                        max_tokens,
+                        sampling,
+                        stop: self.stop.clone(),
+                        eos_token_ids: app.model.eos_token_ids.clone(),
+                    },
+                    logprobs,
+                    logit_bias: self.logit_bias.clone(),
+                };
+                app.engine.submit(request).map_err(ApiError::from)
+            })
+            // A failure drops the receivers already made, which cancels their requests.
+            .collect()
+    }
+}
+
+/// The events of every choice, merged, each with its choice index. A choice whose channel
+/// closes without a final event (the engine stopped) gets a failure.
+pub fn merged_events(
+    receivers: Vec<UnboundedReceiver<Event>>,
+) -> BoxStream<'static, (usize, Event)> {
+    let streams = receivers.into_iter().enumerate().map(|(index, receiver)| {
+        stream::unfold(Some(receiver), move |receiver| async move {
+            let mut receiver = receiver?;
+            match receiver.recv().await {
+                Some(event @ (Event::Finished { .. } | Event::Failed(_))) => {
+                    Some(((index, event), None))
+                }
+                Some(event) => Some(((index, event), Some(receiver))),
+                None => Some((
+                    (index, Event::Failed("the engine stopped".to_owned())),
+                    None,
+                )),
+            }
+        })
+        .boxed()
+    });
+    stream::select_all(streams).boxed()
+}

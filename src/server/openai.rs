@@ -1,0 +1,310 @@
+//! The OpenAI API's request and response bodies, as typed serde structs.
+//!
+//! A request body is read in two parts: [`CommonFields`] (model, sampling, stop, streaming, ...)
+//! shared by both endpoints, and the endpoint's own fields ([`ChatFields`] or
+//! [`CompletionFields`]). Unknown fields are ignored, as OpenAI-compatible servers do; fields
+//! of the wrong type are errors naming the field.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Fields both `/v1/chat/completions` and `/v1/completions` take.
+#[derive(Debug, Default, Deserialize)]
+pub struct CommonFields {
+    pub model: Option<String>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub n: Option<i64>,
+    pub logit_bias: Option<Map<String, Value>>,
+    /// vLLM's extension: also return the prompt's and each choice's token ids.
+    #[serde(default)]
+    pub return_token_ids: bool,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// `stop`: one string or a list of them.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// The fields only `/v1/chat/completions` takes.
+#[derive(Debug, Deserialize)]
+pub struct ChatFields {
+    pub messages: Vec<ChatMessage>,
+    pub max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<i64>,
+    pub tools: Option<Vec<Tool>>,
+    pub tool_choice: Option<ToolChoice>,
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// A message of the conversation.
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    pub name: Option<String>,
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    pub tool_call_id: Option<String>,
+    pub reasoning_content: Option<String>,
+}
+
+/// A message's content: a string or a list of parts.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// A tool call in an assistant message of the conversation.
+#[derive(Debug, Deserialize)]
+pub struct MessageToolCall {
+    pub id: Option<String>,
+    pub function: MessageFunctionCall,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct MessageFunctionCall {
+    pub name: String,
+    /// A JSON object as a string (as OpenAI sends it) or, leniently, the object itself.
+    #[serde(default)]
+    pub arguments: Value,
+}
+
+/// A tool the model may call.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct Tool {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionDefinition,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct FunctionDefinition {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
+}
+
+/// `tool_choice`: `"none"`, `"auto"`, `"required"` or a named function.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ToolChoice {
+    Mode(String),
+    Named(Value),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+/// The fields only `/v1/completions` takes.
+#[derive(Debug, Deserialize)]
+pub struct CompletionFields {
+    pub prompt: Prompt,
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: bool,
+    pub suffix: Option<String>,
+    pub best_of: Option<i64>,
+}
+
+/// `prompt`: text, token ids, or a one-element batch of either.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// A chat completion (`object: "chat.completion"`) or one chunk of a stream of them
+/// (`"chat.completion.chunk"`, with `delta` instead of `message` in the choices).
+#[derive(Debug, Serialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<AssistantMessage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<AssistantMessage>,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// The assistant's reply (whole, or the part a stream chunk adds).
+#[derive(Debug, Default, Serialize)]
+pub struct AssistantMessage {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// A tool call the model made. In a stream chunk `index` says which call it is.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ToolCallOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCallOut,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FunctionCallOut {
+    pub name: String,
+    /// The arguments as a JSON object serialised to a string.
+    pub arguments: String,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// A text completion (`object: "text_completion"`), whole or one chunk of a stream.
+#[derive(Debug, Serialize)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// The legacy completions log-probability format: parallel lists per token.
+#[derive(Debug, Default, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<Map<String, Value>>,
+    pub text_offset: Vec<usize>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: usize,
+}

@@ -1,0 +1,59 @@
+//! Server-sent event streams: the engine's events of every choice, turned into `data: {...}`
+//! chunks by an endpoint's [`ChunkWriter`], then `data: [DONE]`.
+//!
+//! The stream owns the engine's event receivers: when the client disconnects, the server drops
+//! the stream, the receivers go with it, and the engine cancels the sequences at its next step.
+
+use std::convert::Infallible;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, BoxStream, StreamExt};
+use serde::Serialize;
+
+use super::errors::ApiError;
+use crate::engine::scheduler::Event;
+
+/// Writes an endpoint's chunks for the events of a stream.
+pub trait ChunkWriter: Send + 'static {
+    /// Chunks for one event of choice `index`; an error ends the stream with an error chunk.
+    fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<String>, ApiError>;
+    /// Chunks after every choice finished (the usage chunk, say).
+    fn on_end(&mut self) -> Vec<String>;
+}
+
+/// Serialises a chunk for a `data:` line.
+pub fn chunk(value: &impl Serialize) -> String {
+    serde_json::to_string(value).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+}
+
+/// The SSE response for `events`, with chunks from `writer`.
+pub fn sse_response<W: ChunkWriter>(
+    events: BoxStream<'static, (usize, Event)>,
+    writer: W,
+) -> Response {
+    let chunks = stream::unfold(Some((events, writer)), |state| async move {
+        let (mut events, mut writer) = state?;
+        let (data, next) = match events.next().await {
+            Some((index, event)) => match writer.on_event(index, event) {
+                Ok(data) => (data, Some((events, writer))),
+                Err(e) => (vec![chunk(&e.body()), "[DONE]".to_owned()], None),
+            },
+            None => {
+                let mut data = writer.on_end();
+                data.push("[DONE]".to_owned());
+                (data, None)
+            }
+        };
+        Some((data, next))
+    })
+    .flat_map(|data| {
+        stream::iter(
+            data.into_iter()
+                .map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))),
+        )
+    });
+    Sse::new(chunks)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
