@@ -181,7 +181,13 @@ pub fn fields<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
         let inner = e.into_inner();
         let message = inner.to_string();
         if path == "." {
-            ApiError::invalid(None, message)
+            // serde names a missing field only in its message: "missing field `x`".
+            let mut error = ApiError::invalid(None, message.clone());
+            error.param = message
+                .strip_prefix("missing field `")
+                .and_then(|rest| rest.split('`').next())
+                .map(str::to_owned);
+            error
         } else {
             let mut error = ApiError::invalid(None, format!("`{path}`: {message}"));
             error.param = Some(path);

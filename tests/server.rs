@@ -1,0 +1,964 @@
+//! The OpenAI-compatible server, in process: every endpoint and error, against the embedded demo
+//! model, the tiny transformers fixtures (token-id prompts, greedy ids checked against
+//! transformers) and the scripted fixture (a model whose greedy reply is a known tool call with
+//! reasoning, made by `scripts/make_scripted_fixture.py`).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use http_body_util::BodyExt;
+use lily::backend::cpu::CpuBackend;
+use lily::engine::scheduler::{Engine, EngineOptions};
+use lily::server::{AppState, ServedModel, router};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+/// A hang guard for waits (not a timing assertion).
+const PATIENCE: Duration = Duration::from_secs(120);
+
+struct Server {
+    router: Router,
+    app: Arc<AppState>,
+    engine: Option<Engine>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(engine) = self.engine.take() {
+            engine.handle().cancel_all();
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Limits {
+    max_batch: usize,
+    max_queue: usize,
+    prefill_chunk: usize,
+    context: usize,
+    max_body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_batch: 8,
+            max_queue: 64,
+            prefill_chunk: 16,
+            context: 4096,
+            max_body_bytes: 1 << 20,
+        }
+    }
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn start(source: Option<&Path>, limits: Limits, api_key: Option<&str>) -> Server {
+    let (model, served) = match source {
+        Some(dir) => ServedModel::load(dir).unwrap(),
+        None => ServedModel::demo().unwrap(),
+    };
+    let engine = Engine::start(
+        move || Ok(CpuBackend::new(model)),
+        served.tokenizer.clone(),
+        EngineOptions {
+            max_batch: limits.max_batch,
+            max_queue: limits.max_queue,
+            prefill_chunk: limits.prefill_chunk,
+        },
+    )
+    .unwrap();
+    let app = Arc::new(AppState::new(
+        engine.handle(),
+        served,
+        limits.context,
+        api_key.map(str::to_owned),
+    ));
+    Server {
+        router: router(app.clone(), limits.max_body_bytes),
+        app,
+        engine: Some(engine),
+    }
+}
+
+fn demo() -> Server {
+    start(None, Limits::default(), None)
+}
+
+fn post_request(path: &str, body: impl Into<Body>) -> Request<Body> {
+    Request::post(path)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body.into())
+        .unwrap()
+}
+
+async fn send(router: &Router, request: Request<Body>) -> (StatusCode, Vec<u8>) {
+    let response = tokio::time::timeout(PATIENCE, router.clone().oneshot(request))
+        .await
+        .expect("no response")
+        .unwrap();
+    let status = response.status();
+    let body = tokio::time::timeout(PATIENCE, response.into_body().collect())
+        .await
+        .expect("body never ended")
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    (status, body)
+}
+
+async fn post(server: &Server, path: &str, body: Value) -> (StatusCode, Value) {
+    let (status, bytes) = send(&server.router, post_request(path, body.to_string())).await;
+    let value = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| panic!("not JSON: {}", String::from_utf8_lossy(&bytes)));
+    (status, value)
+}
+
+async fn get(server: &Server, path: &str) -> (StatusCode, String) {
+    let (status, bytes) = send(
+        &server.router,
+        Request::get(path).body(Body::empty()).unwrap(),
+    )
+    .await;
+    (status, String::from_utf8(bytes).unwrap())
+}
+
+/// The `data:` payloads of an SSE body; the last must be `[DONE]`, which is dropped.
+fn sse_events(body: &[u8]) -> Vec<Value> {
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    let data: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|event| event.lines().find_map(|l| l.strip_prefix("data: ")))
+        .collect();
+    assert_eq!(
+        data.last(),
+        Some(&"[DONE]"),
+        "stream must end with [DONE]: {text}"
+    );
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+async fn stream(server: &Server, path: &str, mut body: Value) -> (StatusCode, Vec<Value>) {
+    body["stream"] = json!(true);
+    let (status, bytes) = send(&server.router, post_request(path, body.to_string())).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
+    (status, sse_events(&bytes))
+}
+
+/// Reasoning, content and finish reason of a streamed chat reply (choice 0).
+fn streamed_chat(events: &[Value]) -> (String, String, Vec<Value>, String) {
+    let (mut reasoning, mut content, mut calls, mut finish) =
+        (String::new(), String::new(), Vec::new(), String::new());
+    for e in events {
+        for c in e["choices"].as_array().unwrap() {
+            let d = &c["delta"];
+            reasoning.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+            content.push_str(d["content"].as_str().unwrap_or(""));
+            calls.extend(d["tool_calls"].as_array().cloned().unwrap_or_default());
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = f.to_owned();
+            }
+        }
+    }
+    (reasoning, content, calls, finish)
+}
+
+fn streamed_text(events: &[Value]) -> String {
+    events
+        .iter()
+        .flat_map(|e| e["choices"].as_array().unwrap().clone())
+        .map(|c| c["text"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn error_of(value: &Value) -> (&str, Option<&str>, Option<&str>) {
+    let e = &value["error"];
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{value}"
+    );
+    (
+        e["type"].as_str().unwrap(),
+        e["param"].as_str(),
+        e["code"].as_str(),
+    )
+}
+
+fn chat(content: &str, extra: Value) -> Value {
+    let mut body = json!({
+        "model": "lily-demo",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 24,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+async fn wait_until(server: &Server, what: &str, condition: impl Fn(&AppState) -> bool) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !condition(&server.app) {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn models_health_and_unknown_routes() {
+    let server = demo();
+    let (status, body) = get(&server, "/v1/models").await;
+    assert_eq!(status, StatusCode::OK);
+    let models: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "lily-demo");
+    assert!(
+        models["data"][0]["owned_by"]
+            .as_str()
+            .unwrap()
+            .contains("demo")
+    );
+    let (status, body) = get(&server, "/v1/models/lily-demo").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = get(&server, "/v1/models/gpt-4").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        error_of(&serde_json::from_str(&body).unwrap()).2,
+        Some("model_not_found")
+    );
+    let (status, body) = get(&server, "/health").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["status"],
+        "ok"
+    );
+    let (status, body) = get(&server, "/v2/nothing").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    error_of(&serde_json::from_str(&body).unwrap());
+}
+
+#[tokio::test]
+async fn chat_completion_whole_and_streamed_agree() {
+    let server = demo();
+    let (status, whole) = post(&server, "/v1/chat/completions", chat("Hello", json!({}))).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    assert!(whole["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(whole["object"], "chat.completion");
+    assert_eq!(whole["model"], "lily-demo");
+    assert!(whole["created"].as_u64().unwrap() > 1_600_000_000);
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    let usage = &whole["usage"];
+    assert_eq!(usage["completion_tokens"], 24);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens"].as_u64().unwrap() + 24
+    );
+    // The demo's template opens a thought, and random weights never close it: all reasoning.
+    let reasoning = choice["message"]["reasoning_content"].as_str().unwrap();
+    assert!(!reasoning.is_empty());
+    assert_eq!(choice["message"]["content"], "");
+
+    let (_, events) = stream(
+        &server,
+        "/v1/chat/completions",
+        chat("Hello", json!({"stream_options": {"include_usage": true}})),
+    )
+    .await;
+    assert_eq!(events[0]["object"], "chat.completion.chunk");
+    assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+    let (r, c, calls, finish) = streamed_chat(&events);
+    assert_eq!((r.as_str(), c.as_str()), (reasoning, ""));
+    assert!(calls.is_empty());
+    assert_eq!(finish, "length");
+    let last = events.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"], *usage);
+    assert!(
+        events[..events.len() - 1]
+            .iter()
+            .all(|e| e["usage"].is_null())
+    );
+    assert!(events.iter().all(|e| e["id"] == events[0]["id"]));
+}
+
+#[tokio::test]
+async fn thinking_disabled_replies_in_content() {
+    let server = demo();
+    let body = chat(
+        "Hello",
+        json!({"chat_template_kwargs": {"enable_thinking": false}}),
+    );
+    let (status, whole) = post(&server, "/v1/chat/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK);
+    let message = &whole["choices"][0]["message"];
+    assert!(message.get("reasoning_content").is_none(), "{whole}");
+    let content = message["content"].as_str().unwrap();
+    assert!(!content.is_empty());
+    let (_, events) = stream(&server, "/v1/chat/completions", body).await;
+    let (r, c, _, _) = streamed_chat(&events);
+    assert_eq!((r.as_str(), c.as_str()), ("", content));
+}
+
+#[tokio::test]
+async fn completions_from_text_and_from_ids() {
+    let server = demo();
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0});
+    let (status, whole) = post(&server, "/v1/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    assert!(whole["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(whole["object"], "text_completion");
+    assert_eq!(whole["usage"]["prompt_tokens"], 16);
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_owned();
+    let (_, events) = stream(&server, "/v1/completions", body.clone()).await;
+    assert_eq!(streamed_text(&events), text);
+
+    // The same prompt as byte-level ids (the demo tokenizer has one token per byte).
+    let ids: Vec<u32> = "Once upon a time".bytes().map(u32::from).collect();
+    let by_ids =
+        json!({"prompt": ids, "max_tokens": 16, "temperature": 0, "return_token_ids": true});
+    let (_, whole_ids) = post(&server, "/v1/completions", by_ids).await;
+    assert_eq!(whole_ids["choices"][0]["text"], text.as_str());
+    assert_eq!(whole_ids["prompt_token_ids"], json!(ids));
+    assert_eq!(
+        whole_ids["choices"][0]["token_ids"]
+            .as_array()
+            .unwrap()
+            .len(),
+        16
+    );
+
+    let echo =
+        json!({"prompt": ["Once upon a time"], "max_tokens": 16, "temperature": 0, "echo": true});
+    let (_, echoed) = post(&server, "/v1/completions", echo.clone()).await;
+    assert_eq!(
+        echoed["choices"][0]["text"],
+        format!("Once upon a time{text}")
+    );
+    let (_, events) = stream(&server, "/v1/completions", echo).await;
+    assert_eq!(streamed_text(&events), format!("Once upon a time{text}"));
+}
+
+#[tokio::test]
+async fn stop_strings_end_the_text_and_are_never_emitted() {
+    let server = demo();
+    let body = json!({"prompt": "The", "max_tokens": 40, "temperature": 0});
+    let (_, whole) = post(&server, "/v1/completions", body.clone()).await;
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_owned();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 20, "{text:?}");
+    let stop: String = chars[10..13].iter().collect();
+    let cut = text.find(&stop).unwrap();
+    for stop_field in [json!(stop), json!(["\u{1}never", stop])] {
+        let mut with_stop = body.clone();
+        with_stop["stop"] = stop_field;
+        let (_, stopped) = post(&server, "/v1/completions", with_stop.clone()).await;
+        assert_eq!(stopped["choices"][0]["text"], &text[..cut]);
+        assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+        let (_, events) = stream(&server, "/v1/completions", with_stop).await;
+        assert_eq!(streamed_text(&events), &text[..cut]);
+    }
+}
+
+#[tokio::test]
+async fn sampling_with_a_seed_reproduces_and_n_gives_several_choices() {
+    let server = demo();
+    let body = json!({"prompt": "Hi", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9,
+                      "top_k": 50, "min_p": 0.01, "presence_penalty": 0.5,
+                      "frequency_penalty": 0.5, "repetition_penalty": 1.1, "seed": 7, "n": 3});
+    let (status, first) = post(&server, "/v1/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    let (_, second) = post(&server, "/v1/completions", body.clone()).await;
+    let texts = |v: &Value| -> Vec<String> {
+        v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["text"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(texts(&first).len(), 3);
+    assert_eq!(texts(&first), texts(&second));
+    assert_ne!(
+        texts(&first)[0],
+        texts(&first)[1],
+        "choices draw with different seeds"
+    );
+    assert_eq!(first["usage"]["completion_tokens"], 36);
+    let (_, events) = stream(&server, "/v1/completions", body).await;
+    let mut streamed = vec![String::new(); 3];
+    for e in &events {
+        for c in e["choices"].as_array().unwrap() {
+            streamed[c["index"].as_u64().unwrap() as usize].push_str(c["text"].as_str().unwrap());
+        }
+    }
+    assert_eq!(streamed, texts(&first));
+}
+
+#[tokio::test]
+async fn logprobs_list_the_chosen_and_top_tokens() {
+    let server = demo();
+    let body = chat(
+        "Hi",
+        json!({"logprobs": true, "top_logprobs": 3, "max_tokens": 5}),
+    );
+    let (status, whole) = post(&server, "/v1/chat/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    let content = whole["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap();
+    assert_eq!(content.len(), 5);
+    for token in content {
+        let top = token["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(top[0]["token"], token["token"]);
+        assert_eq!(top[0]["logprob"], token["logprob"]);
+        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
+        assert!(token["logprob"].as_f64().unwrap() <= 0.0);
+    }
+    let (_, events) = stream(&server, "/v1/chat/completions", body).await;
+    let streamed: Vec<&Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(streamed.len(), 5);
+    assert_eq!(streamed[0]["token"], content[0]["token"]);
+
+    let legacy = json!({"prompt": "Hi", "max_tokens": 4, "temperature": 0, "logprobs": 2});
+    let (_, whole) = post(&server, "/v1/completions", legacy).await;
+    let l = &whole["choices"][0]["logprobs"];
+    assert_eq!(l["tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(l["top_logprobs"][0].as_object().unwrap().len(), 2);
+    assert_eq!(l["text_offset"][0], 0);
+}
+
+/// The greedy ids of the tiny fixtures through the server match transformers' (`golden.json`),
+/// with both prompts running at once and the long one prefilled in chunks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixtures_match_transformers_through_the_server() {
+    for name in ["tiny-text", "tiny-wrapper"] {
+        let dir = fixture(name);
+        let golden: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+                .unwrap();
+        let server = start(Some(&dir), Limits::default(), None);
+        let requests = golden["prompts"].as_array().unwrap().iter().map(|prompt| {
+            let expected = golden["greedy"][golden["prompts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .position(|p| p == prompt)
+                .unwrap()]
+            .clone();
+            let body = json!({
+                "model": name, "prompt": prompt, "max_tokens": expected.as_array().unwrap().len(),
+                "return_token_ids": true,
+            });
+            let router = server.router.clone();
+            async move {
+                let (status, bytes) =
+                    send(&router, post_request("/v1/completions", body.to_string())).await;
+                assert_eq!(
+                    status,
+                    StatusCode::OK,
+                    "{}",
+                    String::from_utf8_lossy(&bytes)
+                );
+                let v: Value = serde_json::from_slice(&bytes).unwrap();
+                assert_eq!(v["choices"][0]["token_ids"], expected, "{name}");
+                assert_eq!(v["choices"][0]["finish_reason"], "length");
+                assert_eq!(v["choices"][0]["text"], "", "no tokenizer, no text");
+            }
+        });
+        futures_util::future::join_all(requests).await;
+        // Without a tokenizer, chat and text prompts are refused clearly.
+        let (status, v) = post(&server, "/v1/completions", json!({"prompt": "hi"})).await;
+        assert_eq!(
+            (status, error_of(&v).1),
+            (StatusCode::BAD_REQUEST, Some("prompt"))
+        );
+        let (status, _) = post(
+            &server,
+            "/v1/chat/completions",
+            chat("hi", json!({"model": name})),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+    }
+}
+
+/// Many streams at once give each the text it gets alone (greedy), through queueing (more
+/// clients than `max_batch`) and batched decode steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_streams_match_their_solo_runs() {
+    let limits = Limits {
+        max_batch: 5,
+        prefill_chunk: 8,
+        ..Limits::default()
+    };
+    let server = start(None, limits, None);
+    let prompts: Vec<String> = (0..12)
+        .map(|i| format!("Prompt {i}: {}", "x".repeat(i * 3)))
+        .collect();
+    let body = |p: &str| json!({"prompt": p, "max_tokens": 20 + p.len() % 7, "temperature": 0});
+    let mut solo = Vec::new();
+    for p in &prompts {
+        let (_, v) = post(&server, "/v1/completions", body(p)).await;
+        solo.push(v["choices"][0]["text"].as_str().unwrap().to_owned());
+    }
+    let runs = prompts.iter().map(|p| {
+        let router = server.router.clone();
+        let mut b = body(p);
+        b["stream"] = json!(true);
+        async move {
+            let (status, bytes) =
+                send(&router, post_request("/v1/completions", b.to_string())).await;
+            assert_eq!(status, StatusCode::OK);
+            streamed_text(&sse_events(&bytes))
+        }
+    });
+    let handles: Vec<_> = runs.map(tokio::spawn).collect();
+    for (handle, expected) in handles.into_iter().zip(solo) {
+        assert_eq!(handle.await.unwrap(), expected);
+    }
+    assert_eq!(
+        server.app.engine.metrics().running.load(Ordering::Relaxed),
+        0
+    );
+}
+
+/// A client that goes away mid-stream has its sequence dropped; another stream is unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnected_stream_is_cancelled_and_others_continue() {
+    let server = demo();
+    let other = json!({"prompt": "steady", "max_tokens": 60, "temperature": 0});
+    let (_, alone) = post(&server, "/v1/completions", other.clone()).await;
+    let alone = alone["choices"][0]["text"].as_str().unwrap().to_owned();
+
+    let long = json!({"prompt": "forever", "max_tokens": 4000, "temperature": 0, "stream": true});
+    let response = server
+        .router
+        .clone()
+        .oneshot(post_request("/v1/completions", long.to_string()))
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    let mut received = String::new();
+    while received.matches("data: ").count() < 3 {
+        let frame = tokio::time::timeout(PATIENCE, body.frame())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if let Some(data) = frame.data_ref() {
+            received.push_str(&String::from_utf8_lossy(data));
+        }
+    }
+    let mut other_stream = other.clone();
+    other_stream["stream"] = json!(true);
+    let router = server.router.clone();
+    let other_run = tokio::spawn(async move {
+        let (_, bytes) = send(
+            &router,
+            post_request("/v1/completions", other_stream.to_string()),
+        )
+        .await;
+        streamed_text(&sse_events(&bytes))
+    });
+    drop(body);
+    wait_until(&server, "the dropped stream is cancelled", |app| {
+        app.engine
+            .metrics()
+            .requests_cancelled
+            .load(Ordering::Relaxed)
+            == 1
+    })
+    .await;
+    assert_eq!(other_run.await.unwrap(), alone);
+    wait_until(&server, "nothing runs", |app| {
+        app.engine.metrics().running.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    assert!(
+        server
+            .app
+            .engine
+            .metrics()
+            .generated_tokens
+            .load(Ordering::Relaxed)
+            < 4000
+    );
+}
+
+#[tokio::test]
+async fn malformed_requests_get_openai_errors() {
+    let server = demo();
+    let (status, bytes) = send(
+        &server.router,
+        post_request("/v1/chat/completions", "{not json"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(
+        error_of(&v),
+        ("invalid_request_error", None, Some("invalid_json"))
+    );
+    let (status, bytes) = send(&server.router, post_request("/v1/completions", "[1, 2]")).await;
+    assert_eq!(
+        status,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
+
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"temperature": "hot"})),
+            "temperature",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"messages": "hello"})),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"max_tokens": 0})),
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"max_completion_tokens": -3})),
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"max_tokens": 100_000})),
+            "max_tokens",
+        ),
+        ("/v1/chat/completions", chat("x", json!({"n": 0})), "n"),
+        ("/v1/chat/completions", chat("x", json!({"n": 99})), "n"),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"temperature": -1})),
+            "temperature",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"top_p": 0})),
+            "top_p",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"top_k": -5})),
+            "top_k",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"presence_penalty": 3})),
+            "presence_penalty",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"logit_bias": {"abc": 1}})),
+            "logit_bias",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"logit_bias": {"5": 500}})),
+            "logit_bias",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"top_logprobs": 2})),
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"logprobs": true, "top_logprobs": 50})),
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"tool_choice": "required"})),
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"messages": []})),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(
+                "x",
+                json!({"messages": [{"role": "robot", "content": "x"}]}),
+            ),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(
+                "x",
+                json!({"messages": [{"role": "assistant", "content": "only me"}]}),
+            ),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("x", json!({"stop": 5})),
+            "stop",
+        ),
+        ("/v1/completions", json!({"prompt": ["a", "b"]}), "prompt"),
+        ("/v1/completions", json!({"prompt": [1, 99999]}), "prompt"),
+        ("/v1/completions", json!({"prompt": ""}), "prompt"),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "logprobs": 99}),
+            "logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "suffix": "y"}),
+            "suffix",
+        ),
+        ("/v1/completions", json!({}), "prompt"),
+    ];
+    for (path, body, param) in cases {
+        let (status, v) = post(&server, path, body.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body} -> {v}");
+        let (kind, got_param, _) = error_of(&v);
+        assert_eq!(kind, "invalid_request_error");
+        assert_eq!(got_param, Some(param), "{body} -> {v}");
+    }
+    let (status, v) = post(
+        &server,
+        "/v1/completions",
+        json!({"model": "gpt-4", "prompt": "x"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(error_of(&v).2, Some("model_not_found"));
+    // The server still serves.
+    let (status, _) = post(
+        &server,
+        "/v1/chat/completions",
+        chat("still there?", json!({})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn prompts_longer_than_the_context_and_oversized_bodies_are_refused() {
+    let limits = Limits {
+        context: 64,
+        max_body_bytes: 4096,
+        ..Limits::default()
+    };
+    let server = start(None, limits, None);
+    let (status, v) = post(
+        &server,
+        "/v1/completions",
+        json!({"prompt": "y".repeat(64)}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error_of(&v).2, Some("context_length_exceeded"));
+    let (status, v) = post(
+        &server,
+        "/v1/completions",
+        json!({"prompt": "y".repeat(40), "max_tokens": 30}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        error_of(&v),
+        (
+            "invalid_request_error",
+            Some("max_tokens"),
+            Some("context_length_exceeded")
+        )
+    );
+    // Without max_tokens the completion fills the rest of the context.
+    let (status, v) = post(&server, "/v1/completions", json!({"prompt": "y".repeat(40), "temperature": 0, "logit_bias": {"258": -100, "256": -100}})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["total_tokens"], 64);
+    let (status, bytes) = send(
+        &server.router,
+        post_request(
+            "/v1/completions",
+            json!({"prompt": "z".repeat(5000)}).to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(error_of(&v).2, Some("request_too_large"));
+}
+
+#[tokio::test]
+async fn the_api_key_guards_v1_only() {
+    let server = start(None, Limits::default(), Some("sekrit"));
+    let body = json!({"prompt": "hi", "max_tokens": 2});
+    let request = |key: Option<&str>| {
+        let mut r = post_request("/v1/completions", body.to_string());
+        if let Some(key) = key {
+            r.headers_mut().insert(
+                header::AUTHORIZATION,
+                format!("Bearer {key}").parse().unwrap(),
+            );
+        }
+        r
+    };
+    for (key, expected) in [
+        (None, StatusCode::UNAUTHORIZED),
+        (Some("wrong"), StatusCode::UNAUTHORIZED),
+        (Some("sekrit"), StatusCode::OK),
+    ] {
+        let (status, bytes) = send(&server.router, request(key)).await;
+        assert_eq!(status, expected);
+        if status == StatusCode::UNAUTHORIZED {
+            let v: Value = serde_json::from_slice(&bytes).unwrap();
+            assert_eq!(error_of(&v).2, Some("invalid_api_key"));
+        }
+    }
+    let (status, _) = get(&server, "/v1/models").await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(get(&server, "/health").await.0, StatusCode::OK);
+    assert_eq!(get(&server, "/metrics").await.0, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_429_and_shutdown_503() {
+    let limits = Limits {
+        max_batch: 1,
+        max_queue: 1,
+        ..Limits::default()
+    };
+    let server = start(None, limits, None);
+    let long = json!({"prompt": "a", "max_tokens": 4000, "temperature": 0, "stream": true});
+    let router = server.router.clone();
+    let first = tokio::spawn(async move {
+        send(&router, post_request("/v1/completions", long.to_string())).await
+    });
+    wait_until(&server, "the first request runs", |app| {
+        app.engine.metrics().running.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    let router = server.router.clone();
+    let queued = tokio::spawn(async move {
+        send(
+            &router,
+            post_request(
+                "/v1/completions",
+                json!({"prompt": "b", "max_tokens": 3}).to_string(),
+            ),
+        )
+        .await
+    });
+    wait_until(&server, "the second request waits", |app| {
+        app.engine.metrics().waiting.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    let (status, v) = post(
+        &server,
+        "/v1/completions",
+        json!({"prompt": "c", "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(error_of(&v), ("rate_limit_error", None, Some("queue_full")));
+
+    let (_, metrics) = get(&server, "/metrics").await;
+    assert!(metrics.contains("lily_queue_depth 1"), "{metrics}");
+    assert!(metrics.contains("lily_running_sequences 1"), "{metrics}");
+    assert!(
+        metrics.contains("lily_http_requests_total{route=\"/v1/completions\",status=\"429\"} 1")
+    );
+
+    // Shutdown: new requests get 503, the running and queued ones end with an error event.
+    let engine = server.app.engine.clone();
+    engine.cancel_all();
+    let (status, v) = post(&server, "/v1/completions", json!({"prompt": "d"})).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(error_of(&v).2, Some("shutting_down"));
+    let (status, bytes) = first.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    let events = sse_events(&bytes);
+    assert!(
+        events.last().unwrap()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("shutting down")
+    );
+    let (status, _) = queued.await.unwrap();
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+}
+
+#[tokio::test]
+async fn metrics_count_tokens_and_time_to_first_token() {
+    let server = demo();
+    let (status, v) = post(
+        &server,
+        "/v1/completions",
+        json!({"prompt": "abc", "max_tokens": 5}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let (status, text) = get(&server, "/metrics").await;
+    assert_eq!(status, StatusCode::OK);
+    for line in [
+        "lily_prompt_tokens_total 3",
+        "lily_generation_tokens_total 5",
+        "lily_requests_finished_total 1",
+        "lily_time_to_first_token_seconds_count 1",
+        "lily_http_requests_total{route=\"/v1/completions\",status=\"200\"} 1",
+        "lily_queue_depth 0",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
+    }
+    for name in [
+        "lily_prefill_tokens_per_second",
+        "lily_decode_tokens_per_second",
+    ] {
+        let value: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(value > 0.0, "{name}");
+    }
+}
