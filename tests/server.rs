@@ -962,3 +962,138 @@ async fn metrics_count_tokens_and_time_to_first_token() {
         assert!(value > 0.0, "{name}");
     }
 }
+
+fn weather_tools() -> Value {
+    json!([{
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather forecast",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }])
+}
+
+fn scripted_chat(extra: Value) -> Value {
+    let mut body = json!({
+        "model": "scripted",
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": weather_tools(),
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// The scripted model thinks, then calls `get_weather` in Qwen's XML form: the server returns
+/// the thought as `reasoning_content` and the call as an OpenAI tool call, whole and streamed.
+#[tokio::test]
+async fn reasoning_and_tool_calls_are_parsed_from_the_reply() {
+    let server = start(Some(&fixture("scripted")), Limits::default(), None);
+    let (status, whole) = post(&server, "/v1/chat/completions", scripted_chat(json!({}))).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    let message = &choice["message"];
+    assert_eq!(
+        message["reasoning_content"],
+        "I should check the weather in Paris."
+    );
+    assert!(message["content"].is_null(), "{whole}");
+    let call = &message["tool_calls"][0];
+    assert_eq!(message["tool_calls"].as_array().unwrap().len(), 1);
+    assert_eq!(call["type"], "function");
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(call["function"]["name"], "get_weather");
+    let arguments: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(arguments, json!({"city": "Paris", "days": 3}));
+
+    let (_, events) = stream(&server, "/v1/chat/completions", scripted_chat(json!({}))).await;
+    let (reasoning, content, calls, finish) = streamed_chat(&events);
+    assert_eq!(reasoning, "I should check the weather in Paris.");
+    assert_eq!(content, "");
+    assert_eq!(finish, "tool_calls");
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0]["index"], 0);
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(
+        calls[0]["function"]["arguments"],
+        call["function"]["arguments"]
+    );
+    // The thought streams in more than one delta.
+    let reasoning_deltas = events
+        .iter()
+        .filter(|e| e["choices"][0]["delta"]["reasoning_content"].is_string())
+        .count();
+    assert!(reasoning_deltas >= 2);
+
+    // Thinking off: the template closes the thought and the reply is the call alone.
+    let off = scripted_chat(json!({"chat_template_kwargs": {"enable_thinking": false}}));
+    let (_, whole) = post(&server, "/v1/chat/completions", off).await;
+    let message = &whole["choices"][0]["message"];
+    assert!(message.get("reasoning_content").is_none(), "{whole}");
+    assert_eq!(message["tool_calls"][0]["function"]["name"], "get_weather");
+}
+
+#[tokio::test]
+async fn without_tools_a_tool_call_stays_text() {
+    let server = start(Some(&fixture("scripted")), Limits::default(), None);
+    for extra in [json!({"tools": null}), json!({"tool_choice": "none"})] {
+        let (status, whole) = post(&server, "/v1/chat/completions", scripted_chat(extra)).await;
+        assert_eq!(status, StatusCode::OK, "{whole}");
+        let choice = &whole["choices"][0];
+        assert_eq!(choice["finish_reason"], "stop");
+        assert!(choice["message"].get("tool_calls").is_none());
+        let content = choice["message"]["content"].as_str().unwrap();
+        assert!(
+            content.starts_with("<tool_call>\n<function=get_weather>"),
+            "{content:?}"
+        );
+        assert!(content.ends_with("</tool_call>"));
+    }
+    // A stop string inside the thought ends the reply there.
+    let (_, whole) = post(
+        &server,
+        "/v1/chat/completions",
+        scripted_chat(json!({"stop": ["Paris"]})),
+    )
+    .await;
+    assert_eq!(
+        whole["choices"][0]["message"]["reasoning_content"],
+        "I should check the weather in"
+    );
+    assert_eq!(whole["choices"][0]["finish_reason"], "stop");
+    // The raw completion of another prompt is the greeting.
+    let (_, v) = post(
+        &server,
+        "/v1/completions",
+        json!({"prompt": "Hi", "model": "scripted"}),
+    )
+    .await;
+    assert_eq!(v["choices"][0]["text"], "Lily says hello.");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+}
+
+/// A conversation that already holds a tool call and its result renders (arguments given as a
+/// JSON string, as OpenAI clients send them).
+#[tokio::test]
+async fn a_tool_result_conversation_renders() {
+    let server = start(Some(&fixture("scripted")), Limits::default(), None);
+    let body = scripted_chat(json!({"messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": null, "reasoning_content": "Need the tool.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    ]}));
+    let (status, whole) = post(&server, "/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    assert_eq!(whole["choices"][0]["finish_reason"], "tool_calls");
+}

@@ -13,8 +13,8 @@ use super::errors::{ApiError, JsonObject, fields};
 use super::generation::{MAX_TOP_LOGPROBS, Plan, merged_events};
 use super::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatFields, ChatLogprobs, ChatMessage,
-    ChatTokenLogprob, ChatTopLogprob, CommonFields, FunctionCallOut, MessageContent, ToolCallOut,
-    ToolChoice, Usage,
+    ChatTokenLogprob, ChatTopLogprob, CommonFields, FunctionCallOut, MessageContent, ReplyMessage,
+    ToolCallOut, ToolChoice, Usage,
 };
 use super::reasoning::ReasoningSplitter;
 use super::stream::{ChunkWriter, chunk, sse_response};
@@ -420,15 +420,19 @@ impl Reply {
         let choices = std::mem::take(&mut self.choices)
             .into_iter()
             .enumerate()
-            .map(|(index, mut c)| {
-                let has_calls = !c.message.tool_calls.is_empty();
-                c.message.role = Some("assistant");
-                if c.message.content.is_none() && !has_calls {
-                    c.message.content = Some(String::new());
-                }
+            .map(|(index, c)| {
+                let content = match c.message.content {
+                    None if c.message.tool_calls.is_empty() => Some(String::new()),
+                    content => content,
+                };
                 ChatChoice {
                     index,
-                    message: Some(c.message),
+                    message: Some(ReplyMessage {
+                        role: "assistant",
+                        content,
+                        reasoning_content: c.message.reasoning_content,
+                        tool_calls: c.message.tool_calls,
+                    }),
                     delta: None,
                     logprobs: c.logprobs,
                     finish_reason: c.finish,

@@ -201,7 +201,7 @@ pub struct ChatCompletion {
 pub struct ChatChoice {
     pub index: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub message: Option<AssistantMessage>,
+    pub message: Option<ReplyMessage>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delta: Option<AssistantMessage>,
     pub logprobs: Option<ChatLogprobs>,
@@ -210,7 +210,18 @@ pub struct ChatChoice {
     pub token_ids: Option<Vec<u32>>,
 }
 
-/// The assistant's reply (whole, or the part a stream chunk adds).
+/// The assistant's whole reply: `content` is null when the reply is only tool calls.
+#[derive(Debug, Serialize)]
+pub struct ReplyMessage {
+    pub role: &'static str,
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// The part of the reply a stream chunk adds (and, accumulated, the whole reply).
 #[derive(Debug, Default, Serialize)]
 pub struct AssistantMessage {
     #[serde(skip_serializing_if = "Option::is_none")]
