@@ -18,6 +18,10 @@ use lily::server::{AppState, ServedModel, router};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
+/// Bans the demo's end-of-sequence ids (`<|endoftext|>`, `<|im_end|>`) where a run must be long.
+fn no_eos() -> Value {
+    json!({"256": -100, "258": -100})
+}
 /// A hang guard for waits (not a timing assertion).
 const PATIENCE: Duration = Duration::from_secs(120);
 
@@ -556,7 +560,8 @@ async fn a_disconnected_stream_is_cancelled_and_others_continue() {
     let (_, alone) = post(&server, "/v1/completions", other.clone()).await;
     let alone = alone["choices"][0]["text"].as_str().unwrap().to_owned();
 
-    let long = json!({"prompt": "forever", "max_tokens": 4000, "temperature": 0, "stream": true});
+    let long = json!({"prompt": "forever", "max_tokens": 4000, "temperature": 0, "stream": true,
+                      "logit_bias": no_eos()});
     let response = server
         .router
         .clone()
@@ -809,7 +814,12 @@ async fn prompts_longer_than_the_context_and_oversized_bodies_are_refused() {
         )
     );
     // Without max_tokens the completion fills the rest of the context.
-    let (status, v) = post(&server, "/v1/completions", json!({"prompt": "y".repeat(40), "temperature": 0, "logit_bias": {"258": -100, "256": -100}})).await;
+    let (status, v) = post(
+        &server,
+        "/v1/completions",
+        json!({"prompt": "y".repeat(40), "temperature": 0, "logit_bias": no_eos()}),
+    )
+    .await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["usage"]["total_tokens"], 64);
     let (status, bytes) = send(
@@ -865,7 +875,8 @@ async fn a_full_queue_answers_429_and_shutdown_503() {
         ..Limits::default()
     };
     let server = start(None, limits, None);
-    let long = json!({"prompt": "a", "max_tokens": 4000, "temperature": 0, "stream": true});
+    let long = json!({"prompt": "a", "max_tokens": 4000, "temperature": 0, "stream": true,
+                      "logit_bias": no_eos()});
     let router = server.router.clone();
     let first = tokio::spawn(async move {
         send(&router, post_request("/v1/completions", long.to_string())).await
