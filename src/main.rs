@@ -480,7 +480,13 @@ fn serve(args: ServeArgs) -> Result<()> {
         shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace),
     };
     match args.device.device {
-        Device::Cpu => lily::server::run(served, move || Ok(CpuBackend::new(model)), options),
+        Device::Cpu => {
+            let make_backend = move || {
+                lily::server::page_in_weights(&model);
+                Ok(CpuBackend::new(model))
+            };
+            lily::server::run(served, make_backend, options)
+        }
         Device::Cuda => serve_on_cuda(model, served, options),
     }
 }

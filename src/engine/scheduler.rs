@@ -90,6 +90,8 @@ pub struct EngineMetrics {
     pub generated_tokens: AtomicU64,
     pub prefill_micros: AtomicU64,
     pub decode_steps: AtomicU64,
+    /// Tokens produced by decode steps (every sequence of a step).
+    pub decode_tokens: AtomicU64,
     pub decode_micros: AtomicU64,
     pub time_to_first_token: Histogram,
 }
@@ -526,6 +528,9 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             .decode_micros
             .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
         metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
+        metrics
+            .decode_tokens
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
         match result {
             Ok(Chosen::Ids(ids)) => {
                 for (s, id) in batch.into_iter().zip(ids) {

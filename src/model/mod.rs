@@ -100,6 +100,22 @@ impl Matrix {
         }
     }
 
+    /// Reads one byte of every memory page of the matrix, so the pages are resident.
+    pub fn page_in(&self) -> usize {
+        let mut sum = 0u8;
+        let mut touch = |bytes: &Bytes| {
+            for byte in bytes.as_slice().iter().step_by(PAGE_BYTES) {
+                sum = sum.wrapping_add(*byte);
+            }
+        };
+        match &self.storage {
+            Storage::Dense { bytes, .. } => touch(bytes),
+            Storage::Quantized(q) => [&q.words, &q.scales, &q.biases].into_iter().for_each(touch),
+        }
+        std::hint::black_box(sum);
+        self.stored_bytes()
+    }
+
     /// Lets the kernel drop the matrix's pages from the resident set (see
     /// [`Bytes::release_resident`]).
     pub fn release_resident(&self) {
@@ -149,6 +165,9 @@ impl Matrix {
         }
     }
 }
+
+/// The smallest memory page size of the platforms lily runs on.
+const PAGE_BYTES: usize = 4096;
 
 /// Gated full attention of one layer.
 pub struct AttentionWeights {
@@ -220,6 +239,32 @@ pub struct Model {
 }
 
 impl Model {
+    /// Every weight matrix: embedding, each layer's projections, routers and experts, lm_head.
+    pub fn matrices(&self) -> Vec<&Matrix> {
+        let mut all = vec![&self.embed_tokens];
+        if !self.config.tie_word_embeddings {
+            all.push(&self.lm_head);
+        }
+        for layer in &self.layers {
+            match &layer.mixer {
+                Mixer::Attention(a) => all.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]),
+                Mixer::DeltaNet(d) => all.extend([
+                    &d.in_proj_qkv,
+                    &d.in_proj_z,
+                    &d.in_proj_b,
+                    &d.in_proj_a,
+                    &d.out_proj,
+                ]),
+            }
+            let moe = &layer.moe;
+            all.extend([&moe.router, &moe.shared_expert_gate]);
+            for ffn in moe.experts.iter().chain([&moe.shared_expert]) {
+                all.extend([&ffn.gate, &ffn.up, &ffn.down]);
+            }
+        }
+        all
+    }
+
     /// Loads `config.json` and the safetensors weights of a checkpoint directory.
     pub fn load(dir: &Path) -> Result<Self> {
         let config = ModelConfig::from_model_dir(dir)?;

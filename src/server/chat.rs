@@ -3,6 +3,7 @@
 //! split into `reasoning_content`, `content` and `tool_calls`.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -10,7 +11,7 @@ use futures_util::StreamExt;
 use serde_json::{Map, Value, json};
 
 use super::errors::{ApiError, JsonObject, fields};
-use super::generation::{MAX_TOP_LOGPROBS, Plan, merged_events};
+use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events};
 use super::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatFields, ChatLogprobs, ChatMessage,
     ChatTokenLogprob, ChatTopLogprob, CommonFields, FunctionCallOut, MessageContent, ReplyMessage,
@@ -135,6 +136,7 @@ pub async fn chat_completions(
             .collect(),
         include_usage: plan.include_usage,
         return_token_ids: plan.return_token_ids,
+        started: Instant::now(),
     };
     let events = merged_events(receivers);
     if plan.stream {
@@ -334,6 +336,7 @@ struct Reply {
     choices: Vec<ChoiceOutput>,
     include_usage: bool,
     return_token_ids: bool,
+    started: Instant,
 }
 
 /// What one event added to a choice.
@@ -395,6 +398,11 @@ impl Reply {
         Ok(())
     }
 
+    fn log(&self) {
+        let finishes: Vec<_> = self.choices.iter().map(|c| c.finish).collect();
+        log_answered(&self.id, &self.usage(), &finishes, self.started);
+    }
+
     fn usage(&self) -> Usage {
         Usage::new(
             self.prompt_tokens,
@@ -415,6 +423,7 @@ impl Reply {
     }
 
     fn completion(mut self) -> ChatCompletion {
+        self.log();
         let usage = self.usage();
         let return_token_ids = self.return_token_ids;
         let choices = std::mem::take(&mut self.choices)
@@ -510,6 +519,7 @@ impl ChunkWriter for Reply {
     }
 
     fn on_end(&mut self) -> Vec<String> {
+        self.log();
         if !self.include_usage {
             return Vec::new();
         }

@@ -2,6 +2,7 @@
 //! answered as a text completion, whole or streamed.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -10,7 +11,7 @@ use serde_json::{Map, Value};
 
 use super::chat::token_text;
 use super::errors::{ApiError, JsonObject, fields};
-use super::generation::{MAX_TOP_LOGPROBS, Plan, merged_events};
+use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events};
 use super::openai::{
     CommonFields, Completion, CompletionChoice, CompletionFields, CompletionLogprobs, Prompt, Usage,
 };
@@ -95,6 +96,7 @@ pub async fn completions(
             .collect(),
         include_usage: plan.include_usage,
         return_token_ids: plan.return_token_ids,
+        started: Instant::now(),
     };
     let events = merged_events(receivers);
     if plan.stream {
@@ -164,6 +166,7 @@ struct Reply {
     choices: Vec<ChoiceOutput>,
     include_usage: bool,
     return_token_ids: bool,
+    started: Instant,
 }
 
 /// What one event added to a choice.
@@ -218,6 +221,11 @@ impl Reply {
         }
     }
 
+    fn log(&self) {
+        let finishes: Vec<_> = self.choices.iter().map(|c| c.finish).collect();
+        log_answered(&self.id, &self.usage(), &finishes, self.started);
+    }
+
     fn usage(&self) -> Usage {
         Usage::new(
             self.prompt_tokens,
@@ -238,6 +246,7 @@ impl Reply {
     }
 
     fn completion(mut self) -> Completion {
+        self.log();
         let usage = self.usage();
         let echo = self.echo.take().unwrap_or_default();
         let return_token_ids = self.return_token_ids;
@@ -296,6 +305,7 @@ impl ChunkWriter for Reply {
     }
 
     fn on_end(&mut self) -> Vec<String> {
+        self.log();
         if !self.include_usage {
             return Vec::new();
         }

@@ -2,12 +2,14 @@
 //! requests (model name, sampling, stop strings, `n`, token budget), submitting them, and
 //! reading their events back as one stream of `(choice index, event)`.
 
+use std::time::Instant;
+
 use futures_util::stream::{self, BoxStream, StreamExt};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::AppState;
 use super::errors::ApiError;
-use super::openai::CommonFields;
+use super::openai::{CommonFields, Usage};
 use crate::engine::generate::GenerationParams;
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{Event, GenerationRequest};
@@ -210,6 +212,18 @@ impl Plan {
             // A failure drops the receivers already made, which cancels their requests.
             .collect()
     }
+}
+
+/// Logs a request that was answered in full.
+pub fn log_answered(id: &str, usage: &Usage, finishes: &[Option<&str>], started: Instant) {
+    tracing::info!(
+        id,
+        prompt_tokens = usage.prompt_tokens,
+        completion_tokens = usage.completion_tokens,
+        finish = ?finishes.iter().map(|f| f.unwrap_or("none")).collect::<Vec<_>>(),
+        seconds = started.elapsed().as_secs_f64(),
+        "answered"
+    );
 }
 
 /// The events of every choice, merged, each with its choice index. A choice whose channel

@@ -102,7 +102,7 @@ pub async fn render(State(app): State<Arc<AppState>>) -> impl IntoResponse {
             0.0
         }
     };
-    let decoded_tokens = load(&m.generated_tokens);
+    let decoded_tokens = load(&m.decode_tokens);
     for (name, kind, help, value) in [
         (
             "lily_queue_depth",
@@ -137,7 +137,7 @@ pub async fn render(State(app): State<Arc<AppState>>) -> impl IntoResponse {
         (
             "lily_decode_tokens_per_second",
             "gauge",
-            "Generated tokens per second of decode time, since start (all sequences of a step).",
+            "Tokens per second of decode time (all sequences of a step), since start.",
             per_second(decoded_tokens, decode_seconds),
         ),
     ] {

@@ -316,6 +316,34 @@ async fn get_model(
     }
 }
 
+/// Reads every page of a memory-mapped checkpoint before serving, with a progress bar, so the
+/// first requests on the CPU backend do not wait for the disk. Small models are read silently.
+pub fn page_in_weights(model: &Model) {
+    const SHOW_FROM_BYTES: u64 = 256 << 20;
+    let matrices = model.matrices();
+    let total: u64 = matrices.iter().map(|m| m.stored_bytes() as u64).sum();
+    let bar = if total >= SHOW_FROM_BYTES {
+        tracing::info!("reading {:.1} GB of weights", total as f64 / 1e9);
+        indicatif::ProgressBar::new(total)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "loading weights {bar:40} {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, {eta})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let start = std::time::Instant::now();
+    for matrix in matrices {
+        bar.inc(matrix.page_in() as u64);
+    }
+    bar.finish_and_clear();
+    if total >= SHOW_FROM_BYTES {
+        tracing::info!("weights read in {:.1} s", start.elapsed().as_secs_f64());
+    }
+}
+
 /// Serves `model` until SIGINT or SIGTERM. The backend is built on the engine thread by
 /// `make_backend`. Logs the address it listens on (`listening on http://ADDR`).
 pub fn run<B, F>(model: ServedModel, make_backend: F, options: ServeOptions) -> Result<()>
