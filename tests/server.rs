@@ -546,10 +546,11 @@ async fn concurrent_streams_match_their_solo_runs() {
     for (handle, expected) in handles.into_iter().zip(solo) {
         assert_eq!(handle.await.unwrap(), expected);
     }
-    assert_eq!(
-        server.app.engine.metrics().running.load(Ordering::Relaxed),
-        0
-    );
+    // Sequences are retired (their state freed) just after their last event.
+    wait_until(&server, "every sequence is retired", |app| {
+        app.engine.metrics().running.load(Ordering::Relaxed) == 0
+    })
+    .await;
 }
 
 /// A client that goes away mid-stream has its sequence dropped; another stream is unaffected.
@@ -764,6 +765,19 @@ async fn malformed_requests_get_openai_errors() {
         assert_eq!(kind, "invalid_request_error");
         assert_eq!(got_param, Some(param), "{body} -> {v}");
     }
+    // Explicit nulls mean "not given", as many clients send them.
+    let nulls = json!({"stream": null, "stream_options": null, "logprobs": null, "top_logprobs": null,
+                       "max_completion_tokens": null, "temperature": null, "stop": null, "n": null, "seed": null,
+                       "tools": null, "tool_choice": null, "return_token_ids": null});
+    let (status, v) = post(&server, "/v1/chat/completions", chat("x", nulls)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let (status, v) = post(
+        &server,
+        "/v1/completions",
+        json!({"prompt": "x", "echo": null, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
     let (status, v) = post(
         &server,
         "/v1/completions",

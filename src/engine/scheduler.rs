@@ -295,6 +295,11 @@ impl EngineHandle {
         self.shared.accepting.store(false, Ordering::Release);
     }
 
+    /// Whether new requests are taken (false once shutdown began).
+    pub fn is_accepting(&self) -> bool {
+        self.shared.accepting.load(Ordering::Acquire)
+    }
+
     /// Ends every queued and running request now (each gets [`Event::Failed`]).
     pub fn cancel_all(&self) {
         self.stop_accepting();

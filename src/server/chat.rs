@@ -55,7 +55,7 @@ pub async fn chat_completions(
             ),
         ));
     }
-    let logprobs = match (chat.logprobs, chat.top_logprobs) {
+    let logprobs = match (chat.logprobs.unwrap_or(false), chat.top_logprobs) {
         (false, None | Some(0)) => None,
         (false, Some(_)) => {
             return Err(ApiError::invalid(

@@ -50,7 +50,8 @@ pub async fn completions(
             ));
         }
     };
-    if fields.echo && logprobs.is_some() {
+    let echo = fields.echo.unwrap_or(false);
+    if echo && logprobs.is_some() {
         return Err(ApiError::invalid(
             "echo",
             "`echo` together with `logprobs` is not supported.",
@@ -83,7 +84,7 @@ pub async fn completions(
         tokenizer,
         prompt_tokens: prompt.len(),
         prompt_ids: plan.return_token_ids.then_some(prompt),
-        echo: fields.echo.then_some(prompt_text),
+        echo: echo.then_some(prompt_text),
         choices: (0..plan.n)
             .map(|_| ChoiceOutput {
                 text: String::new(),

@@ -136,9 +136,11 @@ impl Plan {
             .collect::<Result<_, _>>()?;
         Ok(Self {
             n,
-            stream: common.stream,
-            include_usage: common.stream_options.is_some_and(|o| o.include_usage),
-            return_token_ids: common.return_token_ids,
+            stream: common.stream.unwrap_or(false),
+            include_usage: common
+                .stream_options
+                .is_some_and(|o| o.include_usage.unwrap_or(false)),
+            return_token_ids: common.return_token_ids.unwrap_or(false),
             max_tokens,
             sampling,
             stop,

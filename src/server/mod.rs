@@ -274,14 +274,22 @@ async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(uri.path())
 }
 
-async fn health(State(app): State<Arc<AppState>>) -> Json<Value> {
+/// 200 while serving, 503 once shutdown began (so load balancers stop sending requests).
+async fn health(State(app): State<Arc<AppState>>) -> Response {
     let m = app.engine.metrics();
-    Json(json!({
-        "status": "ok",
+    let accepting = app.engine.is_accepting();
+    let body = Json(json!({
+        "status": if accepting { "ok" } else { "shutting_down" },
         "model": app.model.name(),
         "running": m.running.load(std::sync::atomic::Ordering::Relaxed),
         "waiting": m.waiting.load(std::sync::atomic::Ordering::Relaxed),
-    }))
+    }));
+    let status = if accepting {
+        axum::http::StatusCode::OK
+    } else {
+        axum::http::StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, body).into_response()
 }
 
 fn model_card(app: &AppState) -> ModelCard {

@@ -12,8 +12,7 @@ use serde_json::{Map, Value};
 #[derive(Debug, Default, Deserialize)]
 pub struct CommonFields {
     pub model: Option<String>,
-    #[serde(default)]
-    pub stream: bool,
+    pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub max_tokens: Option<i64>,
     pub temperature: Option<f32>,
@@ -28,14 +27,12 @@ pub struct CommonFields {
     pub n: Option<i64>,
     pub logit_bias: Option<Map<String, Value>>,
     /// vLLM's extension: also return the prompt's and each choice's token ids.
-    #[serde(default)]
-    pub return_token_ids: bool,
+    pub return_token_ids: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 pub struct StreamOptions {
-    #[serde(default)]
-    pub include_usage: bool,
+    pub include_usage: Option<bool>,
 }
 
 /// `stop`: one string or a list of them.
@@ -60,8 +57,7 @@ impl Stop {
 pub struct ChatFields {
     pub messages: Vec<ChatMessage>,
     pub max_completion_tokens: Option<i64>,
-    #[serde(default)]
-    pub logprobs: bool,
+    pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<Tool>>,
     pub tool_choice: Option<ToolChoice>,
@@ -149,8 +145,7 @@ pub struct ResponseFormat {
 pub struct CompletionFields {
     pub prompt: Prompt,
     pub logprobs: Option<i64>,
-    #[serde(default)]
-    pub echo: bool,
+    pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub best_of: Option<i64>,
 }
