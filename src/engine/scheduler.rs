@@ -310,10 +310,6 @@ impl EngineHandle {
         &self.shared.metrics
     }
 
-    pub fn options(&self) -> EngineOptions {
-        self.shared.options
-    }
-
     /// Rows of the model's logits (token ids must be below this).
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
@@ -493,10 +489,10 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             budget -= chunk.len();
             s.prefilled = end;
             match result {
-                Ok(mut logits) if last => {
-                    let chosen = choose(s, &mut logits, self.tokenizer);
-                    emit(s, chosen, metrics);
-                }
+                Ok(mut logits) if last => match choose(s, &mut logits, self.tokenizer) {
+                    Ok(chosen) => emit(s, chosen, metrics),
+                    Err(e) => fail(s, &e, metrics),
+                },
                 Ok(_) => {}
                 Err(e) => fail(s, &e, metrics),
             }
@@ -545,8 +541,10 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             Ok(Chosen::Logits(mut logits)) => {
                 let vocab = self.backend.config().vocab_size;
                 for (s, row) in batch.into_iter().zip(logits.chunks_exact_mut(vocab)) {
-                    let chosen = choose(s, row, self.tokenizer);
-                    emit(s, chosen, metrics);
+                    match choose(s, row, self.tokenizer) {
+                        Ok(chosen) => emit(s, chosen, metrics),
+                        Err(e) => fail(s, &e, metrics),
+                    }
                 }
             }
             Err(e) => {
@@ -575,7 +573,7 @@ fn choose<S>(
     s: &mut Sequence<'_, S>,
     logits: &mut [f32],
     tokenizer: Option<&Tokenizer>,
-) -> (u32, Option<TokenLogprobs>) {
+) -> Result<(u32, Option<TokenLogprobs>)> {
     for &(id, bias) in &s.logit_bias {
         logits[id as usize] += bias;
     }
@@ -586,16 +584,17 @@ fn choose<S>(
     {
         logits[t.vocab_size()..].fill(f32::NEG_INFINITY);
     }
-    if !logits.iter().any(|l| l.is_finite()) {
-        // Only a broken model gets here; the sampler needs one finite logit.
-        logits.fill(0.0);
-    }
+    // Only a broken model (or weights) gets here; the sampler needs a finite logit.
+    anyhow::ensure!(
+        logits.iter().any(|l| l.is_finite()),
+        "the model produced no finite logit"
+    );
     let sampled = s.sampler.sample(logits);
     let logprobs = s.logprobs.map(|k| TokenLogprobs {
         logprob: sampled.logprob,
         top: top_logprobs(logits, k),
     });
-    (sampled.token_id, logprobs)
+    Ok((sampled.token_id, logprobs))
 }
 
 /// Records the chosen token of `s` and sends its event (and the finish, if it ends here).

@@ -133,7 +133,7 @@ impl ToolCallParser {
 }
 
 /// Parses the inside of a `<tool_call>` block (XML or JSON form); `None` if it is neither.
-pub fn parse_block(block: &str, tools: &[Tool]) -> Option<Vec<ParsedCall>> {
+fn parse_block(block: &str, tools: &[Tool]) -> Option<Vec<ParsedCall>> {
     let block = block.trim();
     if block.starts_with('{') {
         return parse_json_call(block).map(|call| vec![call]);
@@ -250,7 +250,7 @@ fn schema_types(schema: &Value) -> Vec<&str> {
 
 /// A parameter's text as the JSON value its schema asks for; text that fits none of the
 /// schema's types (or a parameter without a schema) stays a string.
-pub fn typed_value(raw: &str, schema: Option<&Value>) -> Value {
+fn typed_value(raw: &str, schema: Option<&Value>) -> Value {
     let types = schema.map(schema_types).unwrap_or_default();
     let text = raw.trim();
     for kind in types.iter().filter(|&&t| t != "string") {
