@@ -617,6 +617,38 @@ async fn a_disconnected_stream_is_cancelled_and_others_continue() {
     );
 }
 
+/// A non-streaming client that goes away (its request future dropped, as hyper does on a
+/// disconnect) cancels its sequence too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_whole_request_is_cancelled() {
+    let server = demo();
+    let long = json!({"prompt": "forever", "max_tokens": 4000, "temperature": 0,
+                      "logit_bias": no_eos()});
+    let router = server.router.clone();
+    let request = tokio::spawn(async move {
+        send(&router, post_request("/v1/completions", long.to_string())).await
+    });
+    wait_until(&server, "the request runs", |app| {
+        app.engine.metrics().running.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    request.abort();
+    wait_until(&server, "the abandoned request is cancelled", |app| {
+        let m = app.engine.metrics();
+        m.requests_cancelled.load(Ordering::Relaxed) == 1 && m.running.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    assert!(
+        server
+            .app
+            .engine
+            .metrics()
+            .generated_tokens
+            .load(Ordering::Relaxed)
+            < 4000
+    );
+}
+
 #[tokio::test]
 async fn malformed_requests_get_openai_errors() {
     let server = demo();

@@ -295,9 +295,9 @@ impl EngineHandle {
         self.shared.accepting.store(false, Ordering::Release);
     }
 
-    /// Whether new requests are taken (false once shutdown began).
+    /// Whether new requests are taken (false once shutdown began or the engine thread ended).
     pub fn is_accepting(&self) -> bool {
-        self.shared.accepting.load(Ordering::Acquire)
+        self.shared.accepting.load(Ordering::Acquire) && !self.messages.is_closed()
     }
 
     /// Ends every queued and running request now (each gets [`Event::Failed`]).
