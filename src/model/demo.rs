@@ -18,7 +18,7 @@ use super::Model;
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerKind, ModelConfig};
 use crate::text::chat_template::ChatTemplate;
-use crate::text::tokenizer::Tokenizer;
+use crate::text::tokenizer::{Tokenizer, byte_level_char};
 
 /// The name the demo goes by (in `/v1/models`, logs and responses).
 pub const DEMO_MODEL_NAME: &str = "lily-demo";
@@ -271,21 +271,11 @@ fn weights(c: &ModelConfig) -> Result<Vec<u8>> {
     Ok(safetensors::tensor::serialize(views, None)?)
 }
 
-/// GPT-2's byte-level alphabet: the printable character standing for each byte.
-fn byte_to_char(byte: u8) -> char {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
-    if printable(byte) {
-        return char::from(byte);
-    }
-    let shifted = (0..byte).filter(|&b| !printable(b)).count() as u32;
-    char::from_u32(256 + shifted).expect("a code point below 512")
-}
-
 /// A byte-level BPE `tokenizer.json` without merges: one token per byte (id = byte value), then
 /// the added tokens.
 fn tokenizer_json() -> Value {
     let vocab: serde_json::Map<String, Value> = (0..=255u8)
-        .map(|b| (byte_to_char(b).to_string(), json!(b)))
+        .map(|b| (byte_level_char(b).to_string(), json!(b)))
         .collect();
     let added: Vec<Value> = ADDED_TOKENS
         .iter()
@@ -351,6 +341,13 @@ mod tests {
         assert!(tokenizer.is_special(added_token_id("<|im_end|>")));
         assert!(!tokenizer.is_special(added_token_id("<think>")));
         assert_eq!(tokenizer.vocab_size(), VOCAB_SIZE);
+        // "é" is two byte tokens; each token's bytes are half the character.
+        let e_acute = tokenizer.encode("é").unwrap();
+        assert_eq!(e_acute, [0xc3, 0xa9]);
+        assert_eq!(tokenizer.token_bytes(0xc3).unwrap(), [0xc3]);
+        assert_eq!(tokenizer.token_bytes(u32::from(b' ')).unwrap(), b" ");
+        let think = added_token_id("<think>");
+        assert_eq!(tokenizer.token_bytes(think).unwrap(), b"<think>");
     }
 
     #[test]

@@ -534,10 +534,14 @@ pub fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
     tokenizer.decode(&[id]).unwrap_or_default()
 }
 
+fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
+    tokenizer.token_bytes(id).unwrap_or_default()
+}
+
 fn token_logprob(tokenizer: &Tokenizer, id: u32, l: &TokenLogprobs) -> ChatTokenLogprob {
     let token = token_text(tokenizer, id);
     ChatTokenLogprob {
-        bytes: token.as_bytes().to_vec(),
+        bytes: token_bytes(tokenizer, id),
         token,
         logprob: l.logprob,
         top_logprobs: l
@@ -546,7 +550,7 @@ fn token_logprob(tokenizer: &Tokenizer, id: u32, l: &TokenLogprobs) -> ChatToken
             .map(|t| {
                 let token = token_text(tokenizer, t.token_id);
                 ChatTopLogprob {
-                    bytes: token.as_bytes().to_vec(),
+                    bytes: token_bytes(tokenizer, t.token_id),
                     token,
                     logprob: t.logprob,
                 }

@@ -76,6 +76,32 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The raw bytes a token stands for: a byte-level BPE token can hold part of a UTF-8
+    /// character, which its decoded text cannot show. Tokens of a byte-level vocabulary map back
+    /// through GPT-2's byte alphabet; added tokens, and tokens of other tokenizers, give the
+    /// UTF-8 of their text.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        let added = self
+            .inner
+            .get_added_vocabulary()
+            .simple_id_to_token(id)
+            .is_some();
+        if byte_level
+            && !added
+            && let Some(bytes) = self
+                .inner
+                .id_to_token(id)
+                .and_then(|token| token.chars().map(byte_level_byte).collect())
+        {
+            return Ok(bytes);
+        }
+        Ok(self.decode(&[id])?.into_bytes())
+    }
+
     /// The number of tokens, added tokens included (the model's embedding may have more rows).
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
@@ -93,6 +119,32 @@ impl Tokenizer {
             ids: Vec::new(),
             read: 0,
         }
+    }
+}
+
+/// Whether GPT-2's byte-level alphabet writes `byte` as the character of the same code point.
+fn byte_level_keeps(byte: u8) -> bool {
+    (b'!'..=b'~').contains(&byte) || (0xa1..=0xac).contains(&byte) || byte >= 0xae
+}
+
+/// The character GPT-2's byte-level alphabet (used by Qwen's tokenizer) writes for a byte: the
+/// byte itself when printable, else one of 256, 257, ... in byte order.
+pub fn byte_level_char(byte: u8) -> char {
+    if byte_level_keeps(byte) {
+        return char::from(byte);
+    }
+    let shifted = (0..byte).filter(|&b| !byte_level_keeps(b)).count() as u32;
+    char::from_u32(256 + shifted).expect("a code point below 512")
+}
+
+/// The byte a character of GPT-2's byte-level alphabet stands for.
+fn byte_level_byte(c: char) -> Option<u8> {
+    match u32::from(c) {
+        code @ 0..=255 => Some(code as u8).filter(|&b| byte_level_keeps(b)),
+        code @ 256..=511 => (0..=255u8)
+            .filter(|&b| !byte_level_keeps(b))
+            .nth((code - 256) as usize),
+        _ => None,
     }
 }
 
