@@ -187,7 +187,7 @@ struct DeviceArgs {
     /// Where the model runs.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
-    /// Longest sequence the GPU holds (prompt + output).
+    /// Longest sequence (prompt + output) the GPU holds; `serve` refuses longer requests.
     #[arg(long, default_value_t = 32768)]
     context: usize,
 }
