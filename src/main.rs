@@ -82,6 +82,10 @@ enum Command {
         /// Launch kernels one by one instead of replaying CUDA graphs (for profilers).
         #[arg(long)]
         no_graphs: bool,
+        /// Decode steps to run, after the timed ones, inside a profiler range (for
+        /// `ncu --profile-from-start off`).
+        #[arg(long, default_value_t = 0)]
+        profile_steps: usize,
     },
     /// Quantise a bf16 checkpoint into an MLX-LM checkpoint (affine, routers at 8 bits).
     Convert {
@@ -324,6 +328,7 @@ fn run(cli: Cli) -> Result<()> {
             prompt,
             generate,
             no_graphs,
+            profile_steps,
         } => {
             use lily::backend::cuda::weights::WeightFormat;
             anyhow::ensure!(
@@ -341,6 +346,7 @@ fn run(cli: Cli) -> Result<()> {
                 prompt,
                 generate,
                 use_graphs: !no_graphs,
+                profile_steps,
             })?;
         }
     }

@@ -434,6 +434,19 @@ impl CudaBackend {
         Ok((2 * BYTES * iters) as f64 / start.elapsed().as_secs_f64())
     }
 
+    /// Runs `work` inside a profiler range, so `ncu --profile-from-start off` (or nsys with
+    /// `--capture-range=cudaProfilerApi`) records only it.
+    pub fn profile(&self, work: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.stream.synchronize()?;
+        // SAFETY: plain driver calls on the current context; they only toggle profiling.
+        unsafe { cudarc::driver::sys::cuProfilerStart() }.result()?;
+        let result = work();
+        self.stream.synchronize()?;
+        // SAFETY: as above.
+        unsafe { cudarc::driver::sys::cuProfilerStop() }.result()?;
+        result
+    }
+
     /// Waits for all queued work.
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
