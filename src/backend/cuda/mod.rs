@@ -296,11 +296,15 @@ impl CudaBackend {
             c.head_dim
         );
         ensure!(
-            c.linear_value_head_dim <= 1024
+            c.linear_value_head_dim * (c.linear_key_head_dim / 32).max(1) <= 512
                 && (c.linear_key_head_dim <= 32 || c.linear_key_head_dim.is_multiple_of(32)),
             "DeltaNet head dims {}x{} unsupported by the CUDA kernels",
             c.linear_key_head_dim,
             c.linear_value_head_dim
+        );
+        ensure!(
+            c.num_attention_heads / c.num_key_value_heads <= 16,
+            "more than 16 query heads per KV head unsupported by the CUDA kernels"
         );
         ensure!(
             c.num_experts_per_tok <= 32,
@@ -486,7 +490,7 @@ impl CudaBackend {
         let mut b = s.launch_builder(&self.k.matvec);
         b.arg(&desc).arg(&x).arg(&norm).arg(&eps).arg(&y).arg(&acc);
         // SAFETY: buffers sized at construction for these shapes.
-        unsafe { b.launch(self.matvec_cfg(w)) }?;
+        unsafe { b.launch(self.matvec_cfg(w)) }.context("launching `matvec`")?;
         Ok(())
     }
 
@@ -503,7 +507,8 @@ impl CudaBackend {
         let mut b = s.launch_builder(&self.k.embed);
         b.arg(&embed).arg(&token).arg(&x);
         // SAFETY: x holds hidden_size floats; the token is checked on the host.
-        unsafe { b.launch(cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0)) }?;
+        unsafe { b.launch(cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0)) }
+            .context("launching `embed`")?;
 
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
@@ -550,7 +555,8 @@ impl CudaBackend {
                             threads as u32,
                             smem as u32,
                         ))
-                    }?;
+                    }
+                    .context("launching `deltanet_step`")?;
                     self.matvec(out_proj, core, None, x, true)?;
                     gdn_i += 1;
                 }
@@ -584,9 +590,8 @@ impl CudaBackend {
                         .arg(&vc);
                     let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
                     // SAFETY: the host checks position < max_context before each step.
-                    unsafe {
-                        b.launch(cfg(blocks, 1, c.head_dim as u32, (c.head_dim * 4) as u32))
-                    }?;
+                    unsafe { b.launch(cfg(blocks, 1, c.head_dim as u32, (c.head_dim * 4) as u32)) }
+                        .context("launching `attention_prepare`")?;
                     let (pm, ps, po) = (p(&sc.part_max), p(&sc.part_sum), p(&sc.part_out));
                     let mut b = s.launch_builder(&self.k.attention_split);
                     b.arg(&dims)
@@ -606,7 +611,8 @@ impl CudaBackend {
                             32 * group,
                             0,
                         ))
-                    }?;
+                    }
+                    .context("launching `attention_split`")?;
                     let mut b = s.launch_builder(&self.k.attention_combine);
                     b.arg(&dims)
                         .arg(&proj)
@@ -615,9 +621,8 @@ impl CudaBackend {
                         .arg(&po)
                         .arg(&core);
                     // SAFETY: as above.
-                    unsafe {
-                        b.launch(cfg(c.num_attention_heads as u32, 1, c.head_dim as u32, 0))
-                    }?;
+                    unsafe { b.launch(cfg(c.num_attention_heads as u32, 1, c.head_dim as u32, 0)) }
+                        .context("launching `attention_combine`")?;
                     self.matvec(o_proj, core, None, x, true)?;
                     attn_i += 1;
                 }
@@ -632,17 +637,18 @@ impl CudaBackend {
             let mut b = s.launch_builder(&self.k.argmax_partial);
             b.arg(&logits).arg(&n).arg(&av).arg(&ai);
             // SAFETY: partial buffers hold ARGMAX_BLOCKS entries.
-            unsafe { b.launch(cfg(ARGMAX_BLOCKS as u32, 1, 256, 0)) }?;
+            unsafe { b.launch(cfg(ARGMAX_BLOCKS as u32, 1, 256, 0)) }
+                .context("launching `argmax_partial`")?;
             let parts = ARGMAX_BLOCKS as i32;
             let mut b = s.launch_builder(&self.k.argmax_final);
             b.arg(&av).arg(&ai).arg(&parts).arg(&token).arg(&position);
             // SAFETY: one warp over the partials.
-            unsafe { b.launch(cfg(1, 1, 32, 0)) }?;
+            unsafe { b.launch(cfg(1, 1, 32, 0)) }.context("launching `argmax_final`")?;
         } else {
             let mut b = s.launch_builder(&self.k.advance_position);
             b.arg(&position);
             // SAFETY: one thread increments the slot's position.
-            unsafe { b.launch(cfg(1, 1, 1, 0)) }?;
+            unsafe { b.launch(cfg(1, 1, 1, 0)) }.context("launching `advance_position`")?;
         }
         Ok(())
     }
@@ -692,7 +698,8 @@ impl CudaBackend {
         let row_blocks = inter.div_ceil(MATVEC_THREADS as usize / 32) as u32;
         let slots = (c.num_experts_per_tok + 1) as u32;
         // SAFETY: act holds (top_k + 1) * inter floats.
-        unsafe { b.launch(cfg(row_blocks, slots, MATVEC_THREADS, smem as u32)) }?;
+        unsafe { b.launch(cfg(row_blocks, slots, MATVEC_THREADS, smem as u32)) }
+            .context("launching `moe_gate_up`")?;
 
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
         let per_slot = inter + inter / 32 + 1;
@@ -707,7 +714,8 @@ impl CudaBackend {
             .arg(&x);
         let blocks = c.hidden_size.div_ceil(MATVEC_THREADS as usize / 32) as u32;
         // SAFETY: as above; each output row is owned by one warp.
-        unsafe { b.launch(cfg(blocks, 1, MATVEC_THREADS, smem as u32)) }?;
+        unsafe { b.launch(cfg(blocks, 1, MATVEC_THREADS, smem as u32)) }
+            .context("launching `moe_down`")?;
         Ok(())
     }
 

@@ -14,7 +14,7 @@ struct AttentionDims {
 // proj: [heads * 2 * head_dim (per head: query, gate) | kv_heads * head_dim (k) | kv (v)].
 // Writes q (normed, rotated) and appends k, v at `position` to the bf16 caches [ctx, kv, hd].
 // Launch: heads + kv_heads blocks of head_dim threads.
-extern "C" __global__ void attention_prepare(AttentionDims d, const float* proj, const float* q_norm,
+extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDims d, const float* proj, const float* q_norm,
                                              const float* k_norm, const int* position, float* q_out,
                                              bf16* k_cache, bf16* v_cache) {
     __shared__ float scratch[32];
@@ -51,7 +51,7 @@ extern "C" __global__ void attention_prepare(AttentionDims d, const float* proj,
 
 // Block (kv head, split): warp w handles query head kv_head * group + w over the split's slice
 // of positions 0..=position. Writes per (head, split): running max, sum and unnormalised output.
-extern "C" __global__ void attention_split(AttentionDims d, const float* q, const bf16* k_cache,
+extern "C" __global__ void __launch_bounds__(512) attention_split(AttentionDims d, const float* q, const bf16* k_cache,
                                            const bf16* v_cache, const int* position, float* part_max,
                                            float* part_sum, float* part_out) {
     const int kvh = blockIdx.x, split = blockIdx.y;
@@ -107,7 +107,7 @@ extern "C" __global__ void attention_split(AttentionDims d, const float* q, cons
 
 // Merges the splits of each head and applies the output gate sigmoid(gate).
 // Launch: heads blocks of head_dim threads.
-extern "C" __global__ void attention_combine(AttentionDims d, const float* proj, const float* part_max,
+extern "C" __global__ void __launch_bounds__(256) attention_combine(AttentionDims d, const float* proj, const float* part_max,
                                              const float* part_sum, const float* part_out, float* out) {
     const int head = blockIdx.x, i = threadIdx.x, hd = d.head_dim;
     float m = -INFINITY;

@@ -14,7 +14,7 @@ struct DeltaNetDims {
 // proj: [conv_dim (q|k|v) | z (value_heads*value_dim) | b (value_heads) | a (value_heads)].
 // conv_ring: [kernel, conv_dim]; conv_w: [conv_dim, kernel]; state: [value_heads, key_dim, value_dim].
 // Launch: one block per value head, value_dim * groups threads, groups = max(1, key_dim / 32).
-extern "C" __global__ void deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring, const float* conv_w,
+extern "C" __global__ void __launch_bounds__(512) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring, const float* conv_w,
                                          const float* a_log, const float* dt_bias, const float* norm_w,
                                          float* state, const int* position, float* out) {
     extern __shared__ float smem[];

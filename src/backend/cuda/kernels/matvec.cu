@@ -3,7 +3,7 @@
 
 // y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds). `norm_scale` non-null:
 // x is RMS-normalised and scaled first.
-extern "C" __global__ void matvec(Weight w, const float* x, const float* norm_scale, float eps, float* y,
+extern "C" __global__ void __launch_bounds__(256) matvec(Weight w, const float* x, const float* norm_scale, float eps, float* y,
                                   int accumulate) {
     extern __shared__ float smem[];
     float* scratch = smem;
@@ -19,7 +19,7 @@ extern "C" __global__ void matvec(Weight w, const float* x, const float* norm_sc
 }
 
 // x = row `token[0]` of the embedding table, dequantised to f32.
-extern "C" __global__ void embed(Weight w, const int* token, float* x) {
+extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* token, float* x) {
     const int row = token[0];
     const int cols = w.cols;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < cols; i += gridDim.x * blockDim.x) {

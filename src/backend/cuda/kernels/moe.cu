@@ -50,7 +50,7 @@ __device__ void route(const MoeDims& d, const float* logits, int* ids, float* we
 // act[slot] = silu(gate_e · x) * (up_e · x) for each slot's expert, x = RMSNorm(residual).
 // gate/up: routed experts stacked [experts * intermediate, hidden]; shared_*: [shared_intermediate, hidden].
 // Grid: (row blocks, top_k + 1). Block (0, 0) also writes the routing to ids_out/weights_out.
-extern "C" __global__ void moe_gate_up(MoeDims d, Weight gate, Weight up, Weight shared_gate, Weight shared_up,
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up(MoeDims d, Weight gate, Weight up, Weight shared_gate, Weight shared_up,
                                        const float* residual, const float* norm_scale, const float* router_logits,
                                        float* act, int* ids_out, float* weights_out) {
     extern __shared__ float smem[];
@@ -84,7 +84,7 @@ extern "C" __global__ void moe_gate_up(MoeDims d, Weight gate, Weight up, Weight
 
 // residual[r] += sum over slots of weight[slot] * (down_e · act[slot])[r].
 // down: routed experts stacked [experts * hidden, intermediate]; shared_down: [hidden, shared_intermediate].
-extern "C" __global__ void moe_down(MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids,
+extern "C" __global__ void __launch_bounds__(256) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids,
                                     const float* weights, float* residual) {
     extern __shared__ float smem[];
     float* scratch = smem;
