@@ -32,7 +32,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "--prompt and --gen must be positive"
     );
     let opts = CudaOptions {
-        max_context: args.prompt + args.generate + 1,
+        max_context: args.prompt + args.generate + args.profile_steps + 1,
         max_sequences: 1,
         use_graphs: args.use_graphs,
     };

@@ -17,7 +17,7 @@ pub mod weights;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, bail, ensure};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
     PushKernelArg,
@@ -28,10 +28,22 @@ use super::{Backend, LogitsFor};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
 
-/// Threads of a mat-vec block: 8 warps, one row each at a time.
+/// Threads of a mat-vec block (8 warps); also of the MoE blocks.
 const MATVEC_THREADS: u32 = 256;
-/// Context splits of attention decode (flash-decoding).
-const ATTENTION_SPLITS: usize = 32;
+/// Rows each warp of `matvec` computes at once (MATVEC_ROWS_PER_WARP in matvec.cu).
+const MATVEC_ROWS_PER_WARP: usize = 4;
+/// Resident `matvec` blocks per SM: enough loads in flight, few re-stagings of the input.
+const MATVEC_BLOCKS_PER_SM: usize = 4;
+/// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
+const GATE_UP_ROWS_PER_WARP: usize = 2;
+/// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
+const DOWN_ROWS_PER_WARP: usize = 2;
+/// Most context splits of attention decode (flash-decoding); a split covers at least 64 positions.
+const ATTENTION_SPLITS: usize = 128;
+/// Threads of an `attention_split` block.
+const ATTENTION_THREADS: u32 = 256;
+/// Dynamic shared memory the staging kernels may use.
+const MAX_DYNAMIC_SHARED_BYTES: usize = 200 * 1024;
 /// Blocks of the first argmax pass.
 const ARGMAX_BLOCKS: usize = 256;
 
@@ -270,6 +282,13 @@ impl CudaBackend {
             argmax_final: get("argmax_final")?,
             advance_position: get("advance_position")?,
         };
+        // Kernels that stage inputs in dynamic shared memory may use more than the default 48 KB.
+        for f in [&k.matvec, &k.moe_gate_up, &k.moe_down, &k.deltanet_step] {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                MAX_DYNAMIC_SHARED_BYTES as i32,
+            )?;
+        }
         let fill = Fill {
             bf16: get("fill_bf16")?,
             u32: get("fill_u32")?,
@@ -463,13 +482,15 @@ impl CudaBackend {
     }
 
     fn matvec_cfg(&self, w: &DeviceWeight) -> LaunchConfig {
-        let warps = MATVEC_THREADS as usize / 32;
-        let blocks = w.rows.div_ceil(warps).min(self.num_sms as usize * 8);
-        let groups = if w.bits == 16 { 0 } else { w.cols / w.group };
+        let rows_per_block = MATVEC_THREADS as usize / 32 * MATVEC_ROWS_PER_WARP;
+        let blocks = w
+            .rows
+            .div_ceil(rows_per_block)
+            .min(self.num_sms as usize * MATVEC_BLOCKS_PER_SM);
         LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (MATVEC_THREADS, 1, 1),
-            shared_mem_bytes: ((32 + w.cols + groups) * 4) as u32,
+            shared_mem_bytes: staged_bytes(&[w.cols]),
         }
     }
 
@@ -602,13 +623,12 @@ impl CudaBackend {
                         .arg(&pm)
                         .arg(&ps)
                         .arg(&po);
-                    let group = (c.num_attention_heads / c.num_key_value_heads) as u32;
                     // SAFETY: partial buffers hold heads * splits entries.
                     unsafe {
                         b.launch(cfg(
                             c.num_key_value_heads as u32,
                             ATTENTION_SPLITS as u32,
-                            32 * group,
+                            ATTENTION_THREADS,
                             0,
                         ))
                     }
@@ -616,6 +636,7 @@ impl CudaBackend {
                     let mut b = s.launch_builder(&self.k.attention_combine);
                     b.arg(&dims)
                         .arg(&proj)
+                        .arg(&position)
                         .arg(&pm)
                         .arg(&ps)
                         .arg(&po)
@@ -677,12 +698,7 @@ impl CudaBackend {
         let inter = c
             .moe_intermediate_size
             .max(c.shared_expert_intermediate_size);
-        let groups = if layer.gate.bits == 16 {
-            0
-        } else {
-            c.hidden_size / layer.gate.group
-        };
-        let smem = (32 + c.hidden_size + groups) * 4;
+        let smem = staged_bytes(&[c.hidden_size]);
         let mut b = s.launch_builder(&self.k.moe_gate_up);
         b.arg(&dims)
             .arg(&g)
@@ -695,15 +711,15 @@ impl CudaBackend {
             .arg(&act)
             .arg(&ids)
             .arg(&weights);
-        let row_blocks = inter.div_ceil(MATVEC_THREADS as usize / 32) as u32;
-        let slots = (c.num_experts_per_tok + 1) as u32;
+        let row_blocks =
+            inter.div_ceil(MATVEC_THREADS as usize / 32 * GATE_UP_ROWS_PER_WARP) as u32;
+        let slots = c.num_experts_per_tok + 1;
         // SAFETY: act holds (top_k + 1) * inter floats.
-        unsafe { b.launch(cfg(row_blocks, slots, MATVEC_THREADS, smem as u32)) }
+        unsafe { b.launch(cfg(row_blocks, slots as u32, MATVEC_THREADS, smem)) }
             .context("launching `moe_gate_up`")?;
 
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        let per_slot = inter + inter / 32 + 1;
-        let smem = (32 + slots as usize * per_slot) * 4;
+        let smem = staged_bytes(&vec![inter; slots]);
         let mut b = s.launch_builder(&self.k.moe_down);
         b.arg(&dims)
             .arg(&d)
@@ -712,9 +728,11 @@ impl CudaBackend {
             .arg(&ids)
             .arg(&weights)
             .arg(&x);
-        let blocks = c.hidden_size.div_ceil(MATVEC_THREADS as usize / 32) as u32;
+        let blocks =
+            c.hidden_size
+                .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
         // SAFETY: as above; each output row is owned by one warp.
-        unsafe { b.launch(cfg(blocks, 1, MATVEC_THREADS, smem as u32)) }
+        unsafe { b.launch(cfg(blocks, 1, MATVEC_THREADS, smem)) }
             .context("launching `moe_down`")?;
         Ok(())
     }
@@ -889,6 +907,16 @@ fn cfg(gx: u32, gy: u32, threads: u32, smem: u32) -> LaunchConfig {
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     }
+}
+
+/// Dynamic shared memory of a kernel that stages inputs of the given widths (`staged_floats` in
+/// rowdot.cuh: the input, then chunk sums), after 32 floats of reduction scratch.
+fn staged_bytes(widths: &[usize]) -> u32 {
+    let floats: usize = widths
+        .iter()
+        .map(|&c| c + (c / 8).next_multiple_of(4))
+        .sum();
+    ((32 + floats) * 4) as u32
 }
 
 /// The `extern "C"` kernels each module defines.

@@ -1,20 +1,42 @@
 // Decode mat-vec products y = W x for one token, for every weight format (bf16, MLX 4/8-bit),
 // and the embedding lookup. The row arithmetic lives in rowdot.cuh.
 
+#define MATVEC_ROWS_PER_WARP 4
+
+template <int BITS>
+__device__ void matvec_rows(const Weight& w, const float* xs, float* y, int accumulate) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int chunks = w.cols / values_per_chunk(BITS);
+    for (int row0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * MATVEC_ROWS_PER_WARP; row0 < w.rows;
+         row0 += gridDim.x * warps * MATVEC_ROWS_PER_WARP) {
+        RowRef rows[MATVEC_ROWS_PER_WARP];
+        float acc[MATVEC_ROWS_PER_WARP];
+#pragma unroll
+        for (int i = 0; i < MATVEC_ROWS_PER_WARP; ++i) {
+            rows[i] = row_ref(w, row0 + i, xs);
+            acc[i] = 0.0f;
+        }
+        dot_rows<BITS, MATVEC_ROWS_PER_WARP, 2>(rows, chunks, w.group, lane, acc);
+#pragma unroll
+        for (int i = 0; i < MATVEC_ROWS_PER_WARP; ++i) {
+            const float v = warp_sum(acc[i]);
+            const int row = row0 + i;
+            if (lane == 0 && row < w.rows) y[row] = accumulate ? y[row] + v : v;
+        }
+    }
+}
+
 // y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds). `norm_scale` non-null:
-// x is RMS-normalised and scaled first.
-extern "C" __global__ void __launch_bounds__(256) matvec(Weight w, const float* x, const float* norm_scale, float eps, float* y,
-                                  int accumulate) {
-    extern __shared__ float smem[];
-    float* scratch = smem;
+// x is RMS-normalised and scaled first. Shared memory: 32 + staged_floats(cols) floats.
+extern "C" __global__ void __launch_bounds__(256) matvec(Weight w, const float* x, const float* norm_scale, float eps,
+                                                         float* y, int accumulate) {
+    extern __shared__ __align__(16) float smem[];
     float* xs = smem + 32;
-    float* gsum = xs + w.cols;
-    stage_input(w, x, norm_scale, eps, xs, gsum, scratch);
-    const int lane = threadIdx.x & 31;
-    const int warps = blockDim.x >> 5;
-    for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < w.rows; row += gridDim.x * warps) {
-        float v = row_dot(w, row, xs, gsum, lane);
-        if (lane == 0) y[row] = accumulate ? y[row] + v : v;
+    stage_input(w.bits, w.cols, x, norm_scale, eps, xs, smem);
+    switch (w.bits) {
+        case 4: matvec_rows<4>(w, xs, y, accumulate); break;
+        case 8: matvec_rows<8>(w, xs, y, accumulate); break;
+        default: matvec_rows<16>(w, xs, y, accumulate); break;
     }
 }
 

@@ -47,13 +47,40 @@ __device__ void route(const MoeDims& d, const float* logits, int* ids, float* we
     }
 }
 
+#define GATE_UP_ROWS_PER_WARP 2
+#define DOWN_ROWS_PER_WARP 2
+#define DOWN_SLOTS_PER_PASS 4
+
+template <int BITS>
+__device__ void gate_up_rows(const Weight& g, const Weight& u, int base, int rows, int first, const float* xs,
+                             float* out) {
+    const int lane = threadIdx.x & 31;
+    RowRef refs[2 * GATE_UP_ROWS_PER_WARP];
+    float acc[2 * GATE_UP_ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
+        const int row = first + i < rows ? base + first + i : -1;
+        refs[i] = row_ref(g, row, xs);
+        refs[GATE_UP_ROWS_PER_WARP + i] = row_ref(u, row, xs);
+        acc[i] = acc[GATE_UP_ROWS_PER_WARP + i] = 0.0f;
+    }
+    dot_rows<BITS, 2 * GATE_UP_ROWS_PER_WARP, 2>(refs, refs[0].chunks, g.group, lane, acc);
+#pragma unroll
+    for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
+        const float gv = warp_sum(acc[i]), uv = warp_sum(acc[GATE_UP_ROWS_PER_WARP + i]);
+        if (lane == 0 && first + i < rows) out[first + i] = silu(gv) * uv;
+    }
+}
+
 // act[slot] = silu(gate_e · x) * (up_e · x) for each slot's expert, x = RMSNorm(residual).
 // gate/up: routed experts stacked [experts * intermediate, hidden]; shared_*: [shared_intermediate, hidden].
-// Grid: (row blocks, top_k + 1). Block (0, 0) also writes the routing to ids_out/weights_out.
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up(MoeDims d, Weight gate, Weight up, Weight shared_gate, Weight shared_up,
-                                       const float* residual, const float* norm_scale, const float* router_logits,
-                                       float* act, int* ids_out, float* weights_out) {
-    extern __shared__ float smem[];
+// Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k + 1). Block (0, 0) also
+// writes the routing to ids_out/weights_out. Shared memory: 32 + staged_floats(hidden) floats.
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up(MoeDims d, Weight gate, Weight up, Weight shared_gate,
+                                                              Weight shared_up, const float* residual,
+                                                              const float* norm_scale, const float* router_logits,
+                                                              float* act, int* ids_out, float* weights_out) {
+    extern __shared__ __align__(16) float smem[];
     __shared__ int ids[MAX_TOP_K + 1];
     __shared__ float weights[MAX_TOP_K + 1];
     const int slot = blockIdx.y;
@@ -68,46 +95,99 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(MoeDims d, Weight 
     const Weight& u = shared ? shared_up : up;
     const int rows = shared ? d.shared_intermediate : d.intermediate;
     const int base = shared ? 0 : ids[slot] * d.intermediate;
-
-    float* scratch = smem;
     float* xs = smem + 32;
-    float* gsum = xs + d.hidden;
-    stage_input(g, residual, norm_scale, d.eps, xs, gsum, scratch);
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const int stride = max(d.intermediate, d.shared_intermediate);
-    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += gridDim.x * warps) {
-        const float gv = row_dot(g, base + r, xs, gsum, lane);
-        const float uv = row_dot(u, base + r, xs, gsum, lane);
-        if (lane == 0) act[(size_t)slot * stride + r] = silu(gv) * uv;
+    stage_input(g.bits, d.hidden, residual, norm_scale, d.eps, xs, smem);
+    const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
+    float* out = act + (size_t)slot * max(d.intermediate, d.shared_intermediate);
+    switch (g.bits) {
+        case 4: gate_up_rows<4>(g, u, base, rows, first, xs, out); break;
+        case 8: gate_up_rows<8>(g, u, base, rows, first, xs, out); break;
+        default: gate_up_rows<16>(g, u, base, rows, first, xs, out); break;
     }
+}
+
+// sum[k] += sum over the routed slots of weight[slot] * (down_e · act[slot])[r0 + k].
+template <int BITS>
+__device__ void down_routed(const MoeDims& d, const Weight& down, const int* ids, const float* weights,
+                            const float* staged, int per_slot, int r0, float (&sum)[DOWN_ROWS_PER_WARP]) {
+    const int lane = threadIdx.x & 31;
+    constexpr int R = DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP;
+    for (int pass = 0; pass < d.top_k; pass += DOWN_SLOTS_PER_PASS) {
+        RowRef refs[R];
+        float acc[R];
+#pragma unroll
+        for (int i = 0; i < DOWN_SLOTS_PER_PASS; ++i)
+#pragma unroll
+            for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k) {
+                const int s = pass + i, r = r0 + k;
+                const int row = s < d.top_k && r < d.hidden ? ids[s] * d.hidden + r : -1;
+                refs[i * DOWN_ROWS_PER_WARP + k] = row_ref(down, row, staged + (size_t)min(s, d.top_k) * per_slot);
+                acc[i * DOWN_ROWS_PER_WARP + k] = 0.0f;
+            }
+        dot_rows<BITS, R, 1>(refs, refs[0].chunks, down.group, lane, acc);
+#pragma unroll
+        for (int i = 0; i < DOWN_SLOTS_PER_PASS; ++i)
+#pragma unroll
+            for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k) {
+                const float v = warp_sum(acc[i * DOWN_ROWS_PER_WARP + k]);
+                if (pass + i < d.top_k) sum[k] += weights[pass + i] * v;
+            }
+    }
+}
+
+// sum[k] += weight * (shared_down · act[shared])[r0 + k].
+template <int BITS>
+__device__ void down_shared(const MoeDims& d, const Weight& w, float weight, const float* xs, int r0,
+                            float (&sum)[DOWN_ROWS_PER_WARP]) {
+    RowRef refs[DOWN_ROWS_PER_WARP];
+    float acc[DOWN_ROWS_PER_WARP];
+#pragma unroll
+    for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k) {
+        refs[k] = row_ref(w, r0 + k, xs);
+        acc[k] = 0.0f;
+    }
+    dot_rows<BITS, DOWN_ROWS_PER_WARP, 1>(refs, refs[0].chunks, w.group, threadIdx.x & 31, acc);
+#pragma unroll
+    for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k) sum[k] += weight * warp_sum(acc[k]);
 }
 
 // residual[r] += sum over slots of weight[slot] * (down_e · act[slot])[r].
 // down: routed experts stacked [experts * hidden, intermediate]; shared_down: [hidden, shared_intermediate].
-extern "C" __global__ void __launch_bounds__(256) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids,
-                                    const float* weights, float* residual) {
-    extern __shared__ float smem[];
-    float* scratch = smem;
-    float* staged = smem + 32;
-    const int slots = d.top_k + 1;
+// Grid: hidden / (8 warps * DOWN_ROWS_PER_WARP) blocks. Shared memory: 32 + (top_k + 1) *
+// staged_floats(max(intermediate, shared_intermediate)) floats.
+extern "C" __global__ void __launch_bounds__(256) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
+                                                           const int* ids_in, const float* weights_in,
+                                                           float* residual) {
+    extern __shared__ __align__(16) float smem[];
+    __shared__ int ids[MAX_TOP_K + 1];
+    __shared__ float weights[MAX_TOP_K + 1];
+    if (threadIdx.x <= d.top_k) {
+        ids[threadIdx.x] = ids_in[threadIdx.x];
+        weights[threadIdx.x] = weights_in[threadIdx.x];
+    }
     const int stride = max(d.intermediate, d.shared_intermediate);
-    // Each slot's activations and group sums, one after the other.
-    const int per_slot = stride + stride / 32 + 1;
-    for (int s = 0; s < slots; ++s) {
+    const int per_slot = staged_floats(stride);
+    float* staged = smem + 32;
+    for (int s = 0; s <= d.top_k; ++s) {
         const Weight& w = s == d.top_k ? shared_down : down;
-        float* xs = staged + (size_t)s * per_slot;
-        stage_input(w, act + (size_t)s * stride, nullptr, 0.0f, xs, xs + w.cols, scratch);
+        stage_input(w.bits, w.cols, act + (size_t)s * stride, nullptr, 0.0f, staged + (size_t)s * per_slot, smem);
     }
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < d.hidden; r += gridDim.x * warps) {
-        float sum = 0.0f;
-        for (int s = 0; s < slots; ++s) {
-            const bool shared = s == d.top_k;
-            const Weight& w = shared ? shared_down : down;
-            const int row = shared ? r : ids[s] * d.hidden + r;
-            const float* xs = staged + (size_t)s * per_slot;
-            sum += weights[s] * row_dot(w, row, xs, xs + w.cols, lane);
-        }
-        if (lane == 0) residual[r] += sum;
+    const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * DOWN_ROWS_PER_WARP;
+    float sum[DOWN_ROWS_PER_WARP] = {};
+    switch (down.bits) {
+        case 4: down_routed<4>(d, down, ids, weights, staged, per_slot, r0, sum); break;
+        case 8: down_routed<8>(d, down, ids, weights, staged, per_slot, r0, sum); break;
+        default: down_routed<16>(d, down, ids, weights, staged, per_slot, r0, sum); break;
     }
+    const float* shared_xs = staged + (size_t)d.top_k * per_slot;
+    const float shared_weight = weights[d.top_k];
+    switch (shared_down.bits) {
+        case 4: down_shared<4>(d, shared_down, shared_weight, shared_xs, r0, sum); break;
+        case 8: down_shared<8>(d, shared_down, shared_weight, shared_xs, r0, sum); break;
+        default: down_shared<16>(d, shared_down, shared_weight, shared_xs, r0, sum); break;
+    }
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k)
+            if (r0 + k < d.hidden) residual[r0 + k] += sum[k];
 }

@@ -1,15 +1,30 @@
-// Weight-row dot products shared by every kernel that multiplies by a weight matrix: x is staged
-// in shared memory (optionally RMS-normalised first, so the norm needs no kernel of its own), then
-// a warp computes a whole row with 16-byte weight loads. x is stored chunk-transposed (value j of
-// chunk c at xs[j * chunks + c]) so the 32 lanes, which work on 32 consecutive chunks, read
-// consecutive shared-memory words: no bank conflicts.
+// Weight-row dot products shared by every kernel that multiplies by a weight matrix.
+//
+// A block first stages its input vector x in shared memory (RMS-normalised on the way when the
+// kernel fuses a norm), then each warp computes several rows at once: every lane issues all of
+// its 16-byte weight loads for those rows before using any, so enough bytes are in flight to
+// keep HBM busy.
+//
+// Staged layout: a 16-byte chunk of a row covers `vpc = 128 / bits` consecutive inputs. Input i
+// (chunk c = i / vpc, offset j = i % vpc) is stored as component j % 4 of float4 number
+// (j / 4) * chunks + c, so the 32 lanes of a warp, which work on 32 consecutive chunks, read 32
+// consecutive float4s: no bank conflicts. For quantised weights `csum[c]` holds the sum of x over
+// chunk c.
+//
+// Dequantisation without integer-to-float conversions: a 4-bit value q placed in the top
+// mantissa bits of 1.0f gives f = 1 + q / 16 exactly, so sum(f * x) = csum + sum(q * x) / 16 and
+// a chunk contributes scale * sum(q * x) + bias * csum = 16 * scale * F + (bias - 16 * scale) * csum.
+// 8-bit values work the same way with 1 + q / 256.
 
-// Stages x (normalised by `norm_scale` when non-null) and, for quantised weights, the sum of x
-// over each quantisation group (the bias term of a group is bias * sum(x)).
-__device__ void stage_input(const Weight& w, const float* x, const float* norm_scale, float eps,
-                            float* xs, float* gsum, float* scratch) {
-    const int cols = w.cols;
-    const int vpc = values_per_chunk(w.bits);
+// Floats of shared memory a staged input of `cols` values needs (x, then chunk sums), rounded
+// to whole float4s.
+__host__ __device__ __forceinline__ int staged_floats(int cols) { return cols + ((cols / 8 + 3) & ~3); }
+
+// Stages x (normalised by `norm_scale` when non-null) for a weight of `bits` bits and `cols`
+// inputs into `xs` (16-byte aligned), chunk sums after it. `scratch` holds 32 floats.
+__device__ void stage_input(int bits, int cols, const float* x, const float* norm_scale, float eps, float* xs,
+                            float* scratch) {
+    const int vpc = values_per_chunk(bits);
     const int chunks = cols / vpc;
     float inv = 1.0f;
     if (norm_scale != nullptr) {
@@ -21,65 +36,128 @@ __device__ void stage_input(const Weight& w, const float* x, const float* norm_s
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         float v = x[i] * inv;
         if (norm_scale != nullptr) v *= norm_scale[i];
-        xs[(i % vpc) * chunks + i / vpc] = v;
+        const int c = i / vpc, j = i % vpc;
+        xs[((j >> 2) * chunks + c) * 4 + (j & 3)] = v;
     }
     __syncthreads();
-    if (w.bits != 16) {
-        const int groups = cols / w.group;
-        for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    if (bits != 16) {
+        const float4* x4 = reinterpret_cast<const float4*>(xs);
+        float* csum = xs + cols;
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
             float s = 0.0f;
-            for (int i = g * w.group; i < (g + 1) * w.group; ++i) s += xs[(i % vpc) * chunks + i / vpc];
-            gsum[g] = s;
+            for (int q = 0; q < vpc / 4; ++q) {
+                const float4 f = x4[q * chunks + c];
+                s += (f.x + f.y) + (f.z + f.w);
+            }
+            csum[c] = s;
         }
         __syncthreads();
     }
 }
 
-// One row's dot product with the staged x, computed by a whole warp; every lane gets the sum.
-__device__ float row_dot(const Weight& w, int row, const float* xs, const float* gsum, int lane) {
-    const int cols = w.cols;
-    float acc = 0.0f;
-    if (w.bits == 16) {
-        const int chunks = cols / 8;
-        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(w.data) + (size_t)row * cols);
-        for (int c = lane; c < chunks; c += 32) {
-            uint4 u = __ldg(p + c);
-            uint32_t words[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                acc += __uint_as_float(words[k] << 16) * xs[(2 * k) * chunks + c];
-                acc += __uint_as_float(words[k] & 0xffff0000u) * xs[(2 * k + 1) * chunks + c];
-            }
-        }
-    } else {
-        const int vpc = values_per_chunk(w.bits);
-        const int chunks = cols / vpc;
-        const int groups = cols / w.group;
-        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(w.data) +
-                                                        (size_t)row * cols * w.bits / 32);
-        const bf16* scales = w.scales + (size_t)row * groups;
-        const bf16* biases = w.biases + (size_t)row * groups;
-        for (int c = lane; c < chunks; c += 32) {
-            uint4 u = __ldg(p + c);
-            uint32_t words[4] = {u.x, u.y, u.z, u.w};
-            float s = 0.0f;
-            if (w.bits == 4) {
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-#pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        s += (float)((words[k] >> (4 * j)) & 15u) * xs[(8 * k + j) * chunks + c];
-            } else {
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        s += (float)((words[k] >> (8 * j)) & 255u) * xs[(4 * k + j) * chunks + c];
-            }
-            acc += __bfloat162float(scales[(c * vpc) / w.group]) * s;
-        }
-        for (int g = lane; g < groups; g += 32) acc += __bfloat162float(biases[g]) * gsum[g];
+// One weight row and the staged input it multiplies.
+struct RowRef {
+    const uint4* data;  // null: no row (its result is 0)
+    const bf16* scales;
+    const bf16* biases;
+    const float4* x;
+    const float* csum;
+    int chunks;
+};
+
+__device__ __forceinline__ RowRef row_ref(const Weight& w, int row, const float* xs) {
+    RowRef r;
+    const int vpc = values_per_chunk(w.bits);
+    r.chunks = w.cols / vpc;
+    r.x = reinterpret_cast<const float4*>(xs);
+    r.csum = xs + w.cols;
+    if (row < 0 || row >= w.rows) {
+        r.data = nullptr;
+        r.scales = r.biases = nullptr;
+        return r;
     }
-    return warp_sum(acc);
+    r.data = reinterpret_cast<const uint4*>(static_cast<const char*>(w.data) + (size_t)row * r.chunks * 16);
+    const size_t groups = w.bits == 16 ? 0 : (size_t)(w.cols / w.group);
+    r.scales = w.scales + row * groups;
+    r.biases = w.biases + row * groups;
+    return r;
 }
 
+__device__ __forceinline__ float dot4(float4 x, float a, float b, float c, float d) {
+    return x.x * a + x.y * b + x.z * c + x.w * d;
+}
+
+// 1 + q / 16 for the 4-bit value at nibble J of w.
+template <int J>
+__device__ __forceinline__ float nibble_f(uint32_t w) {
+    const uint32_t m = J <= 4 ? (w << (19 - 4 * J)) : (w >> (4 * J - 19));
+    return __uint_as_float(0x3F800000u | (m & 0x00780000u));
+}
+
+// 1 + q / 256 for the 8-bit value at byte J of w.
+template <int J>
+__device__ __forceinline__ float byte_f(uint32_t w) {
+    const uint32_t m = J <= 1 ? (w << (15 - 8 * J)) : (w >> (8 * J - 15));
+    return __uint_as_float(0x3F800000u | (m & 0x007F8000u));
+}
+
+// Chunk c of one row (16 bytes already loaded in u) dotted with the staged x.
+template <int BITS>
+__device__ __forceinline__ float chunk_dot(const RowRef& r, int c, uint4 u, int group) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    const int n = r.chunks;
+    if (BITS == 16) {
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const float4 x = r.x[k * n + c];
+            s += dot4(x, __uint_as_float(w[2 * k] << 16), __uint_as_float(w[2 * k] & 0xffff0000u),
+                      __uint_as_float(w[2 * k + 1] << 16), __uint_as_float(w[2 * k + 1] & 0xffff0000u));
+        }
+        return s;
+    } else if (BITS == 4) {
+        float f = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            f += dot4(r.x[(2 * k) * n + c], nibble_f<0>(w[k]), nibble_f<1>(w[k]), nibble_f<2>(w[k]), nibble_f<3>(w[k]));
+            f += dot4(r.x[(2 * k + 1) * n + c], nibble_f<4>(w[k]), nibble_f<5>(w[k]), nibble_f<6>(w[k]),
+                      nibble_f<7>(w[k]));
+        }
+        const int g = (c * 32) / group;
+        const float s = __bfloat162float(r.scales[g]) * 16.0f, b = __bfloat162float(r.biases[g]);
+        return s * f + (b - s) * r.csum[c];
+    } else {
+        float f = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            f += dot4(r.x[k * n + c], byte_f<0>(w[k]), byte_f<1>(w[k]), byte_f<2>(w[k]), byte_f<3>(w[k]));
+        const int g = (c * 16) / group;
+        const float s = __bfloat162float(r.scales[g]) * 256.0f, b = __bfloat162float(r.biases[g]);
+        return s * f + (b - s) * r.csum[c];
+    }
+}
+
+// acc[i] += this lane's share of row i's dot product (a warp_sum completes it). All rows have
+// BITS-bit weights with the same group size. Each pass issues R * U loads per lane before
+// using them.
+template <int BITS, int R, int U>
+__device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], int max_chunks, int group, int lane,
+                                         float (&acc)[R]) {
+    for (int base = 0; base < max_chunks; base += 32 * U) {
+        uint4 u[R][U];
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+            for (int j = 0; j < U; ++j) {
+                const int c = base + j * 32 + lane;
+                u[i][j] = rows[i].data != nullptr && c < rows[i].chunks ? __ldg(rows[i].data + c) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+            for (int j = 0; j < U; ++j) {
+                const int c = base + j * 32 + lane;
+                if (rows[i].data != nullptr && c < rows[i].chunks) acc[i] += chunk_dot<BITS>(rows[i], c, u[i][j], group);
+            }
+    }
+}
