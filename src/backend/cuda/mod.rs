@@ -30,10 +30,8 @@ use crate::model::Model;
 
 /// Threads of a mat-vec block (8 warps); also of the MoE blocks.
 const MATVEC_THREADS: u32 = 256;
-/// Rows each warp of `matvec` computes at once (MATVEC_ROWS_PER_WARP in matvec.cu).
-const MATVEC_ROWS_PER_WARP: usize = 4;
-/// Resident `matvec` blocks per SM: enough loads in flight, few re-stagings of the input.
-const MATVEC_BLOCKS_PER_SM: usize = 4;
+/// Resident `matvec` blocks per SM (its registers allow two): one wave of persistent blocks.
+const MATVEC_BLOCKS_PER_SM: usize = 2;
 /// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
@@ -481,17 +479,19 @@ impl CudaBackend {
         Ok(total - free)
     }
 
-    fn matvec_cfg(&self, w: &DeviceWeight) -> LaunchConfig {
-        let rows_per_block = MATVEC_THREADS as usize / 32 * MATVEC_ROWS_PER_WARP;
-        let blocks = w
-            .rows
-            .div_ceil(rows_per_block)
-            .min(self.num_sms as usize * MATVEC_BLOCKS_PER_SM);
-        LaunchConfig {
+    /// Launch shape of `matvec` for `w` and the rows each warp takes at a time: one wave of
+    /// persistent blocks; tall matrices take 4 rows per warp, short ones 1 to use more SMs.
+    fn matvec_cfg(&self, w: &DeviceWeight) -> (LaunchConfig, i32) {
+        let warps = MATVEC_THREADS as usize / 32;
+        let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
+        let rows_per_warp = if w.rows >= resident * warps * 4 { 4 } else { 1 };
+        let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
+        let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (MATVEC_THREADS, 1, 1),
             shared_mem_bytes: staged_bytes(&[w.cols]),
-        }
+        };
+        (cfg, rows_per_warp as i32)
     }
 
     /// y = W · (x, RMS-normalised by `norm` when given); added to y when `accumulate`.
@@ -509,9 +509,16 @@ impl CudaBackend {
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
         let mut b = s.launch_builder(&self.k.matvec);
-        b.arg(&desc).arg(&x).arg(&norm).arg(&eps).arg(&y).arg(&acc);
+        let (cfg, rows_per_warp) = self.matvec_cfg(w);
+        b.arg(&desc)
+            .arg(&x)
+            .arg(&norm)
+            .arg(&eps)
+            .arg(&y)
+            .arg(&acc)
+            .arg(&rows_per_warp);
         // SAFETY: buffers sized at construction for these shapes.
-        unsafe { b.launch(self.matvec_cfg(w)) }.context("launching `matvec`")?;
+        unsafe { b.launch(cfg) }.context("launching `matvec`")?;
         Ok(())
     }
 

@@ -173,23 +173,38 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
 }
 
 // Merges the splits of each head and applies the output gate sigmoid(gate).
-// Launch: heads blocks of head_dim threads.
+// Launch: heads blocks of head_dim threads; splits (at most 1024) are shared out over them.
 extern "C" __global__ void __launch_bounds__(256) attention_combine(AttentionDims d, const float* proj,
                                                                    const int* position, const float* part_max,
                                                                    const float* part_sum, const float* part_out,
                                                                    float* out) {
+    __shared__ float scratch[32];
+    __shared__ float split_weight[1024];
     const int head = blockIdx.x, i = threadIdx.x, hd = d.head_dim;
     const int len = position[0] + 1;
-    const int splits = (len + attention_split_len(len, d.splits) - 1) / attention_split_len(len, d.splits);
+    const int per = attention_split_len(len, d.splits);
+    const int splits = (len + per - 1) / per;
+    const float* pm = part_max + (size_t)head * d.splits;
+    const float* ps = part_sum + (size_t)head * d.splits;
     float m = -INFINITY;
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, part_max[(size_t)head * d.splits + s]);
-    float l = 0.0f, acc = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const size_t slot = (size_t)head * d.splits + s;
-        const float w = __expf(part_max[slot] - m);
-        l += w * part_sum[slot];
-        acc += w * part_out[slot * hd + i];
+    for (int s = i; s < splits; s += blockDim.x) m = fmaxf(m, pm[s]);
+    m = warp_max(m);
+    __syncthreads();
+    if ((i & 31) == 0) scratch[i >> 5] = m;
+    __syncthreads();
+    m = -INFINITY;
+    for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) m = fmaxf(m, scratch[w]);
+    float l = 0.0f;
+    for (int s = i; s < splits; s += blockDim.x) {
+        const float w = __expf(pm[s] - m);
+        split_weight[s] = w;
+        l += w * ps[s];
     }
+    l = block_sum(l, scratch);
+    float acc = 0.0f;
+    const float* po = part_out + (size_t)head * d.splits * hd + i;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) acc += split_weight[s] * po[(size_t)s * hd];
     const float gate = proj[(size_t)head * 2 * hd + hd + i];
     out[(size_t)head * hd + i] = acc / l * sigmoid(gate);
 }

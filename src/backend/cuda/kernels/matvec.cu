@@ -1,43 +1,62 @@
 // Decode mat-vec products y = W x for one token, for every weight format (bf16, MLX 4/8-bit),
 // and the embedding lookup. The row arithmetic lives in rowdot.cuh.
 
-#define MATVEC_ROWS_PER_WARP 4
-
-template <int BITS>
-__device__ void matvec_rows(const Weight& w, const float* xs, float* y, int accumulate) {
+// Each warp computes R rows at a time, U 16-byte chunks of each per lane per pass: R = 4, U = 2
+// for tall matrices; R = 1, U = 4 for short ones, which then spread over more blocks.
+template <int BITS, int R, int U>
+__device__ void matvec_impl(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
+                            int accumulate, float* smem) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int chunks = w.cols / values_per_chunk(BITS);
-    for (int row0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * MATVEC_ROWS_PER_WARP; row0 < w.rows;
-         row0 += gridDim.x * warps * MATVEC_ROWS_PER_WARP) {
-        RowRef rows[MATVEC_ROWS_PER_WARP];
-        float acc[MATVEC_ROWS_PER_WARP];
+    const int stride = gridDim.x * warps * R;
+    float* xs = smem + 32;
+    int row0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * R;
+    RowRef rows[R];
+    Pass<R, U> pass;
 #pragma unroll
-        for (int i = 0; i < MATVEC_ROWS_PER_WARP; ++i) {
-            rows[i] = row_ref(w, row0 + i, xs);
-            acc[i] = 0.0f;
-        }
-        dot_rows<BITS, MATVEC_ROWS_PER_WARP, 2>(rows, chunks, w.group, lane, acc);
+    for (int i = 0; i < R; ++i) rows[i] = row_ref(w, row0 + i, xs);
+    // The first rows' weights are in flight while the input is staged.
+    load_pass<BITS, R, U>(rows, 0, w.group, lane, pass);
+    stage_input(BITS, w.cols, x, norm_scale, eps, xs, smem);
+    while (row0 < w.rows) {
+        float acc[R];
 #pragma unroll
-        for (int i = 0; i < MATVEC_ROWS_PER_WARP; ++i) {
+        for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+        dot_rows<BITS, R, U>(rows, chunks, w.group, lane, pass, acc);
+        const int next = row0 + stride;
+        RowRef next_rows[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) next_rows[i] = row_ref(w, next + i, xs);
+        if (next < w.rows) load_pass<BITS, R, U>(next_rows, 0, w.group, lane, pass);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
             const float v = warp_sum(acc[i]);
             const int row = row0 + i;
             if (lane == 0 && row < w.rows) y[row] = accumulate ? y[row] + v : v;
+            rows[i] = next_rows[i];
         }
+        row0 = next;
+    }
+}
+
+template <int R, int U>
+__device__ void matvec_bits(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
+                            int accumulate, float* smem) {
+    switch (w.bits) {
+        case 4: matvec_impl<4, R, U>(w, x, norm_scale, eps, y, accumulate, smem); break;
+        case 8: matvec_impl<8, R, U>(w, x, norm_scale, eps, y, accumulate, smem); break;
+        default: matvec_impl<16, R, U>(w, x, norm_scale, eps, y, accumulate, smem); break;
     }
 }
 
 // y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds). `norm_scale` non-null:
-// x is RMS-normalised and scaled first. Shared memory: 32 + staged_floats(cols) floats.
+// x is RMS-normalised and scaled first. `rows_per_warp`: 4 or 1 (see matvec_impl).
+// Shared memory: 32 + staged_floats(cols) floats.
 extern "C" __global__ void __launch_bounds__(256) matvec(Weight w, const float* x, const float* norm_scale, float eps,
-                                                         float* y, int accumulate) {
+                                                         float* y, int accumulate, int rows_per_warp) {
     extern __shared__ __align__(16) float smem[];
-    float* xs = smem + 32;
-    stage_input(w.bits, w.cols, x, norm_scale, eps, xs, smem);
-    switch (w.bits) {
-        case 4: matvec_rows<4>(w, xs, y, accumulate); break;
-        case 8: matvec_rows<8>(w, xs, y, accumulate); break;
-        default: matvec_rows<16>(w, xs, y, accumulate); break;
-    }
+    if (rows_per_warp == 4) matvec_bits<4, 2>(w, x, norm_scale, eps, y, accumulate, smem);
+    else matvec_bits<1, 4>(w, x, norm_scale, eps, y, accumulate, smem);
 }
 
 // x = row `token[0]` of the embedding table, dequantised to f32.

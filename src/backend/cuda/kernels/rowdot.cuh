@@ -20,12 +20,42 @@
 // to whole float4s.
 __host__ __device__ __forceinline__ int staged_floats(int cols) { return cols + ((cols / 8 + 3) & ~3); }
 
-// Stages x (normalised by `norm_scale` when non-null) for a weight of `bits` bits and `cols`
-// inputs into `xs` (16-byte aligned), chunk sums after it. `scratch` holds 32 floats.
-__device__ void stage_input(int bits, int cols, const float* x, const float* norm_scale, float eps, float* xs,
-                            float* scratch) {
+// Writes x (times `inv` and `norm_scale` when non-null) in the staged layout for a weight of
+// `bits` bits and `cols` inputs into `xs` (16-byte aligned). No barrier: see stage_chunk_sums.
+__device__ __forceinline__ void stage_values(int bits, int cols, const float* x, const float* norm_scale, float inv,
+                                             float* xs) {
     const int vpc = values_per_chunk(bits);
     const int chunks = cols / vpc;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = x[i] * inv;
+        if (norm_scale != nullptr) v *= norm_scale[i];
+        const int c = i / vpc, j = i % vpc;
+        xs[((j >> 2) * chunks + c) * 4 + (j & 3)] = v;
+    }
+}
+
+// The chunk sums after staged values (quantised weights only); call after a barrier that
+// follows stage_values, and put a barrier before using them.
+__device__ __forceinline__ void stage_chunk_sums(int bits, int cols, float* xs) {
+    if (bits == 16) return;
+    const int vpc = values_per_chunk(bits);
+    const int chunks = cols / vpc;
+    const float4* x4 = reinterpret_cast<const float4*>(xs);
+    float* csum = xs + cols;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float s = 0.0f;
+        for (int q = 0; q < vpc / 4; ++q) {
+            const float4 f = x4[q * chunks + c];
+            s += (f.x + f.y) + (f.z + f.w);
+        }
+        csum[c] = s;
+    }
+}
+
+// Stages x (RMS-normalised and scaled by `norm_scale` when non-null) for a weight of `bits` bits
+// and `cols` inputs into `xs` (16-byte aligned), chunk sums after it. `scratch` holds 32 floats.
+__device__ void stage_input(int bits, int cols, const float* x, const float* norm_scale, float eps, float* xs,
+                            float* scratch) {
     float inv = 1.0f;
     if (norm_scale != nullptr) {
         float ss = 0.0f;
@@ -33,26 +63,10 @@ __device__ void stage_input(int bits, int cols, const float* x, const float* nor
         ss = block_sum(ss, scratch);
         inv = rsqrtf(ss / cols + eps);
     }
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = x[i] * inv;
-        if (norm_scale != nullptr) v *= norm_scale[i];
-        const int c = i / vpc, j = i % vpc;
-        xs[((j >> 2) * chunks + c) * 4 + (j & 3)] = v;
-    }
+    stage_values(bits, cols, x, norm_scale, inv, xs);
     __syncthreads();
-    if (bits != 16) {
-        const float4* x4 = reinterpret_cast<const float4*>(xs);
-        float* csum = xs + cols;
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-            float s = 0.0f;
-            for (int q = 0; q < vpc / 4; ++q) {
-                const float4 f = x4[q * chunks + c];
-                s += (f.x + f.y) + (f.z + f.w);
-            }
-            csum[c] = s;
-        }
-        __syncthreads();
-    }
+    stage_chunk_sums(bits, cols, xs);
+    __syncthreads();
 }
 
 // One weight row and the staged input it multiplies.
@@ -101,9 +115,35 @@ __device__ __forceinline__ float byte_f(uint32_t w) {
     return __uint_as_float(0x3F800000u | (m & 0x007F8000u));
 }
 
-// Chunk c of one row (16 bytes already loaded in u) dotted with the staged x.
+// The loads of one pass over R rows: U chunks per lane per row, with their scales and biases.
+template <int R, int U>
+struct Pass {
+    uint4 u[R][U];
+    float scale[R][U];
+    float bias[R][U];
+};
+
+// Issues the loads of the pass starting at chunk `base` (nothing is waited for here).
+template <int BITS, int R, int U>
+__device__ __forceinline__ void load_pass(const RowRef (&rows)[R], int base, int group, int lane, Pass<R, U>& p) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const int c = base + j * 32 + lane;
+            const bool valid = rows[i].data != nullptr && c < rows[i].chunks;
+            p.u[i][j] = valid ? __ldg(rows[i].data + c) : make_uint4(0, 0, 0, 0);
+            if (BITS != 16) {
+                const int g = (c * (128 / BITS)) / group;
+                p.scale[i][j] = valid ? __bfloat162float(rows[i].scales[g]) : 0.0f;
+                p.bias[i][j] = valid ? __bfloat162float(rows[i].biases[g]) : 0.0f;
+            }
+        }
+}
+
+// Chunk c of one row (its 16 bytes in u) dotted with the staged x.
 template <int BITS>
-__device__ __forceinline__ float chunk_dot(const RowRef& r, int c, uint4 u, int group) {
+__device__ __forceinline__ float chunk_dot(const RowRef& r, int c, uint4 u, float scale, float bias) {
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
     const int n = r.chunks;
     if (BITS == 16) {
@@ -123,41 +163,43 @@ __device__ __forceinline__ float chunk_dot(const RowRef& r, int c, uint4 u, int 
             f += dot4(r.x[(2 * k + 1) * n + c], nibble_f<4>(w[k]), nibble_f<5>(w[k]), nibble_f<6>(w[k]),
                       nibble_f<7>(w[k]));
         }
-        const int g = (c * 32) / group;
-        const float s = __bfloat162float(r.scales[g]) * 16.0f, b = __bfloat162float(r.biases[g]);
-        return s * f + (b - s) * r.csum[c];
+        const float s = scale * 16.0f;
+        return s * f + (bias - s) * r.csum[c];
     } else {
         float f = 0.0f;
 #pragma unroll
         for (int k = 0; k < 4; ++k)
             f += dot4(r.x[k * n + c], byte_f<0>(w[k]), byte_f<1>(w[k]), byte_f<2>(w[k]), byte_f<3>(w[k]));
-        const int g = (c * 16) / group;
-        const float s = __bfloat162float(r.scales[g]) * 256.0f, b = __bfloat162float(r.biases[g]);
-        return s * f + (b - s) * r.csum[c];
+        const float s = scale * 256.0f;
+        return s * f + (bias - s) * r.csum[c];
     }
 }
 
-// acc[i] += this lane's share of row i's dot product (a warp_sum completes it). All rows have
-// BITS-bit weights with the same group size. Each pass issues R * U loads per lane before
-// using them.
+// acc[i] += this lane's share of row i's dot product over the pass loaded in p (a warp_sum
+// completes it).
 template <int BITS, int R, int U>
-__device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], int max_chunks, int group, int lane,
+__device__ __forceinline__ void use_pass(const RowRef (&rows)[R], int base, int lane, const Pass<R, U>& p,
                                          float (&acc)[R]) {
-    for (int base = 0; base < max_chunks; base += 32 * U) {
-        uint4 u[R][U];
 #pragma unroll
-        for (int i = 0; i < R; ++i)
+    for (int i = 0; i < R; ++i)
 #pragma unroll
-            for (int j = 0; j < U; ++j) {
-                const int c = base + j * 32 + lane;
-                u[i][j] = rows[i].data != nullptr && c < rows[i].chunks ? __ldg(rows[i].data + c) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-        for (int i = 0; i < R; ++i)
-#pragma unroll
-            for (int j = 0; j < U; ++j) {
-                const int c = base + j * 32 + lane;
-                if (rows[i].data != nullptr && c < rows[i].chunks) acc[i] += chunk_dot<BITS>(rows[i], c, u[i][j], group);
-            }
+        for (int j = 0; j < U; ++j) {
+            const int c = base + j * 32 + lane;
+            if (rows[i].data != nullptr && c < rows[i].chunks)
+                acc[i] += chunk_dot<BITS>(rows[i], c, p.u[i][j], p.scale[i][j], p.bias[i][j]);
+        }
+}
+
+// acc[i] += this lane's share of row i's dot product, for rows of BITS-bit weights with one group
+// size, given the first pass already loaded in p (see load_pass). The x the rows refer to must be
+// staged by now.
+template <int BITS, int R, int U>
+__device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], int max_chunks, int group, int lane, Pass<R, U>& p,
+                                         float (&acc)[R]) {
+    for (int base = 0;;) {
+        use_pass<BITS, R, U>(rows, base, lane, p, acc);
+        base += 32 * U;
+        if (base >= max_chunks) break;
+        load_pass<BITS, R, U>(rows, base, group, lane, p);
     }
 }
