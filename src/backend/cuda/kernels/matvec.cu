@@ -22,7 +22,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
         float acc[R];
 #pragma unroll
         for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-        dot_rows<BITS, R, U>(rows, chunks, w.group, lane, pass, acc);
+        dot_rows<BITS, R, U, true>(rows, chunks, w.group, lane, pass, acc);
         const int next = row0 + stride;
         RowRef next_rows[R];
 #pragma unroll
@@ -52,7 +52,7 @@ __device__ void matvec_bits(const Weight& w, const float* x, const float* norm_s
 // y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds). `norm_scale` non-null:
 // x is RMS-normalised and scaled first. `rows_per_warp`: 4 or 1 (see matvec_impl).
 // Shared memory: 32 + staged_floats(cols) floats.
-extern "C" __global__ void __launch_bounds__(256) matvec(Weight w, const float* x, const float* norm_scale, float eps,
+extern "C" __global__ void __launch_bounds__(256, 2) matvec(Weight w, const float* x, const float* norm_scale, float eps,
                                                          float* y, int accumulate, int rows_per_warp) {
     extern __shared__ __align__(16) float smem[];
     if (rows_per_warp == 4) matvec_bits<4, 2>(w, x, norm_scale, eps, y, accumulate, smem);

@@ -68,7 +68,7 @@ __device__ void gate_up_rows(const Weight& g, const Weight& u, int base, int row
     }
     Pass<R, 2> pass;
     load_pass<BITS, R, 2>(refs, 0, g.group, lane, pass);
-    dot_rows<BITS, R, 2>(refs, refs[0].chunks, g.group, lane, pass, acc);
+    dot_rows<BITS, R, 2, true>(refs, refs[0].chunks, g.group, lane, pass, acc);
 #pragma unroll
     for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
         const float gv = warp_sum(acc[i]), uv = warp_sum(acc[GATE_UP_ROWS_PER_WARP + i]);
@@ -100,8 +100,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(MoeDims d, Weight 
     float* xs = smem + 32;
     stage_values(g.bits, d.hidden, residual, norm_scale, rsqrtf(ss / d.hidden + d.eps), xs);
     __syncthreads();
-    if (threadIdx.x < 32) route(d, logits, ids, weights);
-    else stage_chunk_sums(g.bits, d.hidden, xs);
+    // The last warp routes while the others sum the chunks.
+    if (threadIdx.x >= blockDim.x - 32) route(d, logits, ids, weights);
+    else stage_chunk_sums(g.bits, d.hidden, xs, blockDim.x - 32);
     __syncthreads();
     if (blockIdx.x == 0 && slot == 0 && threadIdx.x <= d.top_k) {
         ids_out[threadIdx.x] = ids[threadIdx.x];
@@ -149,7 +150,7 @@ __device__ void down_routed(const MoeDims& d, const Weight& down, const int* ids
         float acc[R];
 #pragma unroll
         for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-        dot_rows<BITS, R, 1>(refs, refs[0].chunks, down.group, lane, pass, acc);
+        dot_rows<BITS, R, 1, false>(refs, refs[0].chunks, down.group, lane, pass, acc);
 #pragma unroll
         for (int i = 0; i < DOWN_SLOTS_PER_PASS; ++i)
 #pragma unroll
@@ -173,7 +174,7 @@ __device__ void down_shared(const Weight& w, float weight, const float* xs, int 
     }
     Pass<DOWN_ROWS_PER_WARP, 1> pass;
     load_pass<BITS, DOWN_ROWS_PER_WARP, 1>(refs, 0, w.group, lane, pass);
-    dot_rows<BITS, DOWN_ROWS_PER_WARP, 1>(refs, refs[0].chunks, w.group, lane, pass, acc);
+    dot_rows<BITS, DOWN_ROWS_PER_WARP, 1, true>(refs, refs[0].chunks, w.group, lane, pass, acc);
 #pragma unroll
     for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k) sum[k] += weight * warp_sum(acc[k]);
 }
@@ -220,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(MoeDims d, Weight dow
     __syncthreads();
     for (int s = 0; s <= d.top_k; ++s) {
         const Weight& w = s == d.top_k ? shared_down : down;
-        stage_chunk_sums(w.bits, w.cols, staged + (size_t)s * per_slot);
+        stage_chunk_sums(w.bits, w.cols, staged + (size_t)s * per_slot, blockDim.x);
     }
     __syncthreads();
     float sum[DOWN_ROWS_PER_WARP] = {};

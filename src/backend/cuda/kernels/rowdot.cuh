@@ -11,10 +11,11 @@
 // consecutive float4s: no bank conflicts. For quantised weights `csum[c]` holds the sum of x over
 // chunk c.
 //
-// Dequantisation without integer-to-float conversions: a 4-bit value q placed in the top
-// mantissa bits of 1.0f gives f = 1 + q / 16 exactly, so sum(f * x) = csum + sum(q * x) / 16 and
-// a chunk contributes scale * sum(q * x) + bias * csum = 16 * scale * F + (bias - 16 * scale) * csum.
-// 8-bit values work the same way with 1 + q / 256.
+// Dequantisation without integer-to-float conversions: OR-ing a value q that sits at bit p of a
+// word (p + bits <= 23, its other bits masked off) into the bits of 1.0f gives exactly
+// 1 + q * 2^(p - 23); subtracting 1 leaves q * 2^(p - 23). Products are summed per bit position
+// and scaled back by 2^(23 - p) once per chunk, so a chunk costs one mask, one add and one FMA per
+// value. A chunk then contributes scale * sum(q * x) + bias * csum.
 
 // Floats of shared memory a staged input of `cols` values needs (x, then chunk sums), rounded
 // to whole float4s.
@@ -34,15 +35,16 @@ __device__ __forceinline__ void stage_values(int bits, int cols, const float* x,
     }
 }
 
-// The chunk sums after staged values (quantised weights only); call after a barrier that
-// follows stage_values, and put a barrier before using them.
-__device__ __forceinline__ void stage_chunk_sums(int bits, int cols, float* xs) {
+// The chunk sums after staged values (quantised weights only), computed by threads
+// [0, threads); call after a barrier that follows stage_values, and put a barrier before using
+// them.
+__device__ __forceinline__ void stage_chunk_sums(int bits, int cols, float* xs, int threads) {
     if (bits == 16) return;
     const int vpc = values_per_chunk(bits);
     const int chunks = cols / vpc;
     const float4* x4 = reinterpret_cast<const float4*>(xs);
     float* csum = xs + cols;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    for (int c = threadIdx.x; c < chunks; c += threads) {
         float s = 0.0f;
         for (int q = 0; q < vpc / 4; ++q) {
             const float4 f = x4[q * chunks + c];
@@ -65,7 +67,7 @@ __device__ void stage_input(int bits, int cols, const float* x, const float* nor
     }
     stage_values(bits, cols, x, norm_scale, inv, xs);
     __syncthreads();
-    stage_chunk_sums(bits, cols, xs);
+    stage_chunk_sums(bits, cols, xs, blockDim.x);
     __syncthreads();
 }
 
@@ -101,18 +103,10 @@ __device__ __forceinline__ float dot4(float4 x, float a, float b, float c, float
     return x.x * a + x.y * b + x.z * c + x.w * d;
 }
 
-// 1 + q / 16 for the 4-bit value at nibble J of w.
-template <int J>
-__device__ __forceinline__ float nibble_f(uint32_t w) {
-    const uint32_t m = J <= 4 ? (w << (19 - 4 * J)) : (w >> (4 * J - 19));
-    return __uint_as_float(0x3F800000u | (m & 0x00780000u));
-}
-
-// 1 + q / 256 for the 8-bit value at byte J of w.
-template <int J>
-__device__ __forceinline__ float byte_f(uint32_t w) {
-    const uint32_t m = J <= 1 ? (w << (15 - 8 * J)) : (w >> (8 * J - 15));
-    return __uint_as_float(0x3F800000u | (m & 0x007F8000u));
+// q * 2^(P - 23) for the value at bits [P, P + BITS) of w (P + BITS <= 23).
+template <int BITS, int P>
+__device__ __forceinline__ float low_bits_f(uint32_t w) {
+    return __uint_as_float((w & (((1u << BITS) - 1u) << P)) | 0x3F800000u) - 1.0f;
 }
 
 // The loads of one pass over R rows: U chunks per lane per row, with their scales and biases.
@@ -141,63 +135,94 @@ __device__ __forceinline__ void load_pass(const RowRef (&rows)[R], int base, int
         }
 }
 
-// Chunk c of one row (its 16 bytes in u) dotted with the staged x.
+// The staged inputs of chunk c of a row: 8 / 4 / 2 float4s for 4-bit / 8-bit / bf16 weights.
 template <int BITS>
-__device__ __forceinline__ float chunk_dot(const RowRef& r, int c, uint4 u, float scale, float bias) {
+__device__ __forceinline__ void load_x(const RowRef& r, int c, float4 (&xv)[8]) {
+    constexpr int N = BITS == 4 ? 8 : BITS == 8 ? 4 : 2;
+#pragma unroll
+    for (int k = 0; k < N; ++k) xv[k] = r.x[k * r.chunks + c];
+}
+
+// One chunk (its 16 bytes in u) dotted with its staged inputs xv (csum: their sum).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot(uint4 u, const float4 (&xv)[8], float csum, float scale, float bias) {
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    const int n = r.chunks;
     if (BITS == 16) {
         float s = 0.0f;
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const float4 x = r.x[k * n + c];
-            s += dot4(x, __uint_as_float(w[2 * k] << 16), __uint_as_float(w[2 * k] & 0xffff0000u),
+        for (int k = 0; k < 2; ++k)
+            s += dot4(xv[k], __uint_as_float(w[2 * k] << 16), __uint_as_float(w[2 * k] & 0xffff0000u),
                       __uint_as_float(w[2 * k + 1] << 16), __uint_as_float(w[2 * k + 1] & 0xffff0000u));
-        }
         return s;
     } else if (BITS == 4) {
-        float f = 0.0f;
+        // Nibbles 0-4 in place (bits 0-19); nibbles 5-7 after a shift by 12 (bits 8-19).
+        float a0 = 0.0f, a4 = 0.0f, a8 = 0.0f, a12 = 0.0f, a16 = 0.0f;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            f += dot4(r.x[(2 * k) * n + c], nibble_f<0>(w[k]), nibble_f<1>(w[k]), nibble_f<2>(w[k]), nibble_f<3>(w[k]));
-            f += dot4(r.x[(2 * k + 1) * n + c], nibble_f<4>(w[k]), nibble_f<5>(w[k]), nibble_f<6>(w[k]),
-                      nibble_f<7>(w[k]));
+            const uint32_t lo = w[k], hi = w[k] >> 12;
+            const float4 x0 = xv[2 * k], x1 = xv[2 * k + 1];
+            a0 += low_bits_f<4, 0>(lo) * x0.x;
+            a4 += low_bits_f<4, 4>(lo) * x0.y;
+            a8 += low_bits_f<4, 8>(lo) * x0.z;
+            a12 += low_bits_f<4, 12>(lo) * x0.w;
+            a16 += low_bits_f<4, 16>(lo) * x1.x;
+            a8 += low_bits_f<4, 8>(hi) * x1.y;
+            a12 += low_bits_f<4, 12>(hi) * x1.z;
+            a16 += low_bits_f<4, 16>(hi) * x1.w;
         }
-        const float s = scale * 16.0f;
-        return s * f + (bias - s) * r.csum[c];
+        const float q = a0 * 8388608.0f + a4 * 524288.0f + a8 * 32768.0f + a12 * 2048.0f + a16 * 128.0f;
+        return scale * q + bias * csum;
     } else {
-        float f = 0.0f;
+        // Bytes 0-1 in place (bits 0-15); bytes 2-3 after a shift by 16.
+        float a0 = 0.0f, a8 = 0.0f;
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-            f += dot4(r.x[k * n + c], byte_f<0>(w[k]), byte_f<1>(w[k]), byte_f<2>(w[k]), byte_f<3>(w[k]));
-        const float s = scale * 256.0f;
-        return s * f + (bias - s) * r.csum[c];
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t lo = w[k], hi = w[k] >> 16;
+            const float4 x = xv[k];
+            a0 += low_bits_f<8, 0>(lo) * x.x;
+            a8 += low_bits_f<8, 8>(lo) * x.y;
+            a0 += low_bits_f<8, 0>(hi) * x.z;
+            a8 += low_bits_f<8, 8>(hi) * x.w;
+        }
+        return scale * (a0 * 8388608.0f + a8 * 32768.0f) + bias * csum;
     }
 }
 
 // acc[i] += this lane's share of row i's dot product over the pass loaded in p (a warp_sum
-// completes it).
-template <int BITS, int R, int U>
+// completes it). SHARED_X: every row multiplies the same staged x, read once per chunk.
+template <int BITS, int R, int U, bool SHARED_X>
 __device__ __forceinline__ void use_pass(const RowRef (&rows)[R], int base, int lane, const Pass<R, U>& p,
                                          float (&acc)[R]) {
+    float4 xv[8];
+    float cs = 0.0f;
 #pragma unroll
-    for (int i = 0; i < R; ++i)
-#pragma unroll
-        for (int j = 0; j < U; ++j) {
-            const int c = base + j * 32 + lane;
-            if (rows[i].data != nullptr && c < rows[i].chunks)
-                acc[i] += chunk_dot<BITS>(rows[i], c, p.u[i][j], p.scale[i][j], p.bias[i][j]);
+    for (int j = 0; j < U; ++j) {
+        const int c = base + j * 32 + lane;
+        if (SHARED_X) {
+            if (c >= rows[0].chunks) continue;
+            load_x<BITS>(rows[0], c, xv);
+            if (BITS != 16) cs = rows[0].csum[c];
         }
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            if (rows[i].data == nullptr || c >= rows[i].chunks) continue;
+            if (!SHARED_X) {
+                load_x<BITS>(rows[i], c, xv);
+                if (BITS != 16) cs = rows[i].csum[c];
+            }
+            acc[i] += chunk_dot<BITS>(p.u[i][j], xv, cs, p.scale[i][j], p.bias[i][j]);
+        }
+    }
 }
 
 // acc[i] += this lane's share of row i's dot product, for rows of BITS-bit weights with one group
 // size, given the first pass already loaded in p (see load_pass). The x the rows refer to must be
 // staged by now.
-template <int BITS, int R, int U>
+template <int BITS, int R, int U, bool SHARED_X>
 __device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], int max_chunks, int group, int lane, Pass<R, U>& p,
                                          float (&acc)[R]) {
     for (int base = 0;;) {
-        use_pass<BITS, R, U>(rows, base, lane, p, acc);
+        use_pass<BITS, R, U, SHARED_X>(rows, base, lane, p, acc);
         base += 32 * U;
         if (base >= max_chunks) break;
         load_pass<BITS, R, U>(rows, base, group, lane, p);
