@@ -35,7 +35,7 @@ const MATVEC_BLOCKS_PER_SM: usize = 2;
 /// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
-const DOWN_ROWS_PER_WARP: usize = 2;
+const DOWN_ROWS_PER_WARP: usize = 1;
 /// Most context splits of attention decode (flash-decoding); a split covers at least 64 positions.
 const ATTENTION_SPLITS: usize = 128;
 /// Threads of an `attention_split` block.

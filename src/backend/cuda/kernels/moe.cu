@@ -48,8 +48,8 @@ __device__ void route(const MoeDims& d, float* logits, int* ids, float* weights)
 }
 
 #define GATE_UP_ROWS_PER_WARP 2
-#define DOWN_ROWS_PER_WARP 2
-#define DOWN_SLOTS_PER_PASS 4
+#define DOWN_ROWS_PER_WARP 1
+#define DOWN_SLOTS_PER_PASS 8
 #define MAX_EXPERTS 1024
 
 template <int BITS>
@@ -81,7 +81,7 @@ __device__ void gate_up_rows(const Weight& g, const Weight& u, int base, int row
 // Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k + 1). Every block routes
 // (from the router logits, while the input is being staged); block (0, 0) also writes the
 // routing to ids_out/weights_out. Shared memory: 32 + staged_floats(hidden) floats.
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up(MoeDims d, Weight gate, Weight up, Weight shared_gate,
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weight gate, Weight up, Weight shared_gate,
                                                               Weight shared_up, const float* residual,
                                                               const float* norm_scale, const float* router_logits,
                                                               float* act, int* ids_out, float* weights_out) {
@@ -119,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(MoeDims d, Weight 
     }
 }
 
-// The rows of one routed pass: slots pass..pass+DOWN_SLOTS_PER_PASS-1, output rows r0, r0+1.
+// The rows of one routed pass: slots pass..pass+DOWN_SLOTS_PER_PASS-1, output rows from r0.
 __device__ __forceinline__ void down_refs(const MoeDims& d, const Weight& down, const int* ids, const float* staged,
                                           int per_slot, int pass, int r0,
                                           RowRef (&refs)[DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP]) {
@@ -191,7 +191,7 @@ __device__ void down_first_pass(const MoeDims& d, const Weight& down, const int*
 // down: routed experts stacked [experts * hidden, intermediate]; shared_down: [hidden, shared_intermediate].
 // Grid: hidden / (8 warps * DOWN_ROWS_PER_WARP) blocks. Shared memory: 32 + (top_k + 1) *
 // staged_floats(max(intermediate, shared_intermediate)) floats.
-extern "C" __global__ void __launch_bounds__(256) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
+extern "C" __global__ void __launch_bounds__(256, 2) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual) {
     extern __shared__ __align__(16) float smem[];
