@@ -21,6 +21,8 @@ pub struct BenchArgs {
     pub prompt: usize,
     pub generate: usize,
     pub use_graphs: bool,
+    /// Decode steps to run inside a profiler range after the timed ones (see `CudaBackend::profile`).
+    pub profile_steps: usize,
 }
 
 /// Runs the benchmark and prints a report (human-readable lines, then one JSON line).
@@ -30,7 +32,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "--prompt and --gen must be positive"
     );
     let opts = CudaOptions {
-        max_context: args.prompt + args.generate + 1,
+        max_context: args.prompt + args.generate + args.profile_steps + 1,
         max_sequences: 1,
         use_graphs: args.use_graphs,
     };
@@ -72,6 +74,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let decode_s = start.elapsed().as_secs_f64();
     let decode_tok_s = (args.generate - 1) as f64 / decode_s;
+    if args.profile_steps > 0 {
+        backend.profile(|| {
+            for _ in 0..args.profile_steps {
+                token = backend.decode_greedy(&mut [&mut state], &[token])?[0];
+            }
+            Ok(())
+        })?;
+    }
     let context = args.prompt + args.generate / 2;
     let bytes = backend.decode_bytes_per_token(context);
     let achieved = bytes as f64 * decode_tok_s;

@@ -83,6 +83,10 @@ enum Command {
         /// Launch kernels one by one instead of replaying CUDA graphs (for profilers).
         #[arg(long)]
         no_graphs: bool,
+        /// Decode steps to run, after the timed ones, inside a profiler range (for
+        /// `ncu --profile-from-start off`).
+        #[arg(long, default_value_t = 0)]
+        profile_steps: usize,
     },
     /// Serve an OpenAI-compatible API (without --model, the embedded demo model).
     Serve(ServeArgs),
@@ -368,6 +372,7 @@ fn run(cli: Cli) -> Result<()> {
             prompt,
             generate,
             no_graphs,
+            profile_steps,
         } => {
             use lily::backend::cuda::weights::WeightFormat;
             anyhow::ensure!(
@@ -385,6 +390,7 @@ fn run(cli: Cli) -> Result<()> {
                 prompt,
                 generate,
                 use_graphs: !no_graphs,
+                profile_steps,
             })?;
         }
     }

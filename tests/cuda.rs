@@ -13,13 +13,17 @@ use std::sync::Arc;
 use lily::backend::cpu::CpuBackend;
 use lily::backend::cuda::{CudaBackend, CudaOptions};
 use lily::backend::{Backend, LogitsFor, argmax};
+use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
 use lily::model::Model;
+use lily::quant::QuantSpec;
 
 /// How many calibration spreads the GPU may differ by.
 const SPREADS: f32 = 3.0;
 
 fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    // Relative to the repository root, where cargo runs tests and where gpu_check.sh runs this
+    // binary on the device.
+    let root = Path::new("tests/fixtures");
     ["tiny-wrapper", "tiny-text"]
         .iter()
         .map(|f| root.join(f))
@@ -58,37 +62,61 @@ fn all_logits<B: Backend>(b: &B, prompt: &[u32]) -> Vec<f32> {
 #[test]
 fn logits_match_the_cpu_backend_within_calibrated_tolerance() {
     for dir in fixtures() {
-        let model = Arc::new(Model::load(&dir).unwrap());
-        let cpu = CpuBackend::new(model.clone());
-        let cpu_bf16 = CpuBackend::with_bf16_activations(model.clone());
-        let gpu = cuda(&model, 1);
-        for prompt in prompts(&dir) {
-            let want = all_logits(&cpu, &prompt);
-            let spread = relative_error(&all_logits(&cpu_bf16, &prompt), &want);
-            let got = all_logits(&gpu, &prompt);
-            let err = relative_error(&got, &want);
-            println!(
-                "{}: {} tokens: GPU error {err:.2e}, bf16 spread {spread:.2e}",
-                dir.display(),
-                prompt.len()
-            );
-            assert!(
-                err <= SPREADS * spread,
-                "error {err} above {SPREADS} x spread {spread}"
-            );
-            // Same top-1 at (almost) every position.
-            let vocab = model.config.vocab_size;
-            let agree = got
-                .chunks_exact(vocab)
-                .zip(want.chunks_exact(vocab))
-                .filter(|(a, b)| argmax(a) == argmax(b))
-                .count();
-            assert!(
-                agree * 10 >= prompt.len() * 9,
-                "top-1 agreement {agree}/{}",
-                prompt.len()
-            );
-        }
+        compare_with_cpu(&dir);
+    }
+}
+
+/// MLX-quantised weights stay quantised on the GPU: compared with the CPU backend running the
+/// same quantised checkpoint.
+#[test]
+fn quantized_logits_match_the_cpu_backend_within_calibrated_tolerance() {
+    for (bits, group_size) in [(4, 64), (8, 32), (4, 128)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("q");
+        let options = ConvertOptions {
+            spec: QuantSpec::new(bits, group_size).unwrap(),
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            progress: false,
+        };
+        let src = &fixtures()[0];
+        convert(src, &out, &options).unwrap();
+        std::fs::copy(src.join("golden.json"), out.join("golden.json")).unwrap();
+        println!("{bits}-bit, group size {group_size}");
+        compare_with_cpu(&out);
+    }
+}
+
+fn compare_with_cpu(dir: &Path) {
+    let model = Arc::new(Model::load(dir).unwrap());
+    let cpu = CpuBackend::new(model.clone());
+    let cpu_bf16 = CpuBackend::with_bf16_activations(model.clone());
+    let gpu = cuda(&model, 1);
+    for prompt in prompts(dir) {
+        let want = all_logits(&cpu, &prompt);
+        let spread = relative_error(&all_logits(&cpu_bf16, &prompt), &want);
+        let got = all_logits(&gpu, &prompt);
+        let err = relative_error(&got, &want);
+        println!(
+            "{}: {} tokens: GPU error {err:.2e}, bf16 spread {spread:.2e}",
+            dir.display(),
+            prompt.len()
+        );
+        assert!(
+            err <= SPREADS * spread,
+            "error {err} above {SPREADS} x spread {spread}"
+        );
+        // Same top-1 at (almost) every position.
+        let vocab = model.config.vocab_size;
+        let agree = got
+            .chunks_exact(vocab)
+            .zip(want.chunks_exact(vocab))
+            .filter(|(a, b)| argmax(a) == argmax(b))
+            .count();
+        assert!(
+            agree * 10 >= prompt.len() * 9,
+            "top-1 agreement {agree}/{}",
+            prompt.len()
+        );
     }
 }
 

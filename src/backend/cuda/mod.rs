@@ -17,7 +17,7 @@ pub mod weights;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, bail, ensure};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
     PushKernelArg,
@@ -28,10 +28,20 @@ use super::{Backend, LogitsFor};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
 
-/// Threads of a mat-vec block: 8 warps, one row each at a time.
+/// Threads of a mat-vec block (8 warps); also of the MoE blocks.
 const MATVEC_THREADS: u32 = 256;
-/// Context splits of attention decode (flash-decoding).
-const ATTENTION_SPLITS: usize = 32;
+/// Resident `matvec` blocks per SM (its registers allow two): one wave of persistent blocks.
+const MATVEC_BLOCKS_PER_SM: usize = 2;
+/// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
+const GATE_UP_ROWS_PER_WARP: usize = 2;
+/// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
+const DOWN_ROWS_PER_WARP: usize = 1;
+/// Most context splits of attention decode (flash-decoding); a split covers at least 64 positions.
+const ATTENTION_SPLITS: usize = 128;
+/// Threads of an `attention_split` block.
+const ATTENTION_THREADS: u32 = 256;
+/// Dynamic shared memory the staging kernels may use.
+const MAX_DYNAMIC_SHARED_BYTES: usize = 200 * 1024;
 /// Blocks of the first argmax pass.
 const ARGMAX_BLOCKS: usize = 256;
 
@@ -270,6 +280,13 @@ impl CudaBackend {
             argmax_final: get("argmax_final")?,
             advance_position: get("advance_position")?,
         };
+        // Kernels that stage inputs in dynamic shared memory may use more than the default 48 KB.
+        for f in [&k.matvec, &k.moe_gate_up, &k.moe_down, &k.deltanet_step] {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                MAX_DYNAMIC_SHARED_BYTES as i32,
+            )?;
+        }
         let fill = Fill {
             bf16: get("fill_bf16")?,
             u32: get("fill_u32")?,
@@ -296,11 +313,15 @@ impl CudaBackend {
             c.head_dim
         );
         ensure!(
-            c.linear_value_head_dim <= 1024
+            c.linear_value_head_dim * (c.linear_key_head_dim / 32).max(1) <= 512
                 && (c.linear_key_head_dim <= 32 || c.linear_key_head_dim.is_multiple_of(32)),
             "DeltaNet head dims {}x{} unsupported by the CUDA kernels",
             c.linear_key_head_dim,
             c.linear_value_head_dim
+        );
+        ensure!(
+            c.num_attention_heads / c.num_key_value_heads <= 16,
+            "more than 16 query heads per KV head unsupported by the CUDA kernels"
         );
         ensure!(
             c.num_experts_per_tok <= 32,
@@ -434,6 +455,19 @@ impl CudaBackend {
         Ok((2 * BYTES * iters) as f64 / start.elapsed().as_secs_f64())
     }
 
+    /// Runs `work` inside a profiler range, so `ncu --profile-from-start off` (or nsys with
+    /// `--capture-range=cudaProfilerApi`) records only it.
+    pub fn profile(&self, work: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.stream.synchronize()?;
+        // SAFETY: plain driver calls on the current context; they only toggle profiling.
+        unsafe { cudarc::driver::sys::cuProfilerStart() }.result()?;
+        let result = work();
+        self.stream.synchronize()?;
+        // SAFETY: as above.
+        unsafe { cudarc::driver::sys::cuProfilerStop() }.result()?;
+        result
+    }
+
     /// Waits for all queued work.
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
@@ -445,15 +479,19 @@ impl CudaBackend {
         Ok(total - free)
     }
 
-    fn matvec_cfg(&self, w: &DeviceWeight) -> LaunchConfig {
+    /// Launch shape of `matvec` for `w` and the rows each warp takes at a time: one wave of
+    /// persistent blocks; tall matrices take 4 rows per warp, short ones 1 to use more SMs.
+    fn matvec_cfg(&self, w: &DeviceWeight) -> (LaunchConfig, i32) {
         let warps = MATVEC_THREADS as usize / 32;
-        let blocks = w.rows.div_ceil(warps).min(self.num_sms as usize * 8);
-        let groups = if w.bits == 16 { 0 } else { w.cols / w.group };
-        LaunchConfig {
+        let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
+        let rows_per_warp = if w.rows >= resident * warps * 4 { 4 } else { 1 };
+        let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
+        let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (MATVEC_THREADS, 1, 1),
-            shared_mem_bytes: ((32 + w.cols + groups) * 4) as u32,
-        }
+            shared_mem_bytes: staged_bytes(&[w.cols]),
+        };
+        (cfg, rows_per_warp as i32)
     }
 
     /// y = W · (x, RMS-normalised by `norm` when given); added to y when `accumulate`.
@@ -471,9 +509,16 @@ impl CudaBackend {
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
         let mut b = s.launch_builder(&self.k.matvec);
-        b.arg(&desc).arg(&x).arg(&norm).arg(&eps).arg(&y).arg(&acc);
+        let (cfg, rows_per_warp) = self.matvec_cfg(w);
+        b.arg(&desc)
+            .arg(&x)
+            .arg(&norm)
+            .arg(&eps)
+            .arg(&y)
+            .arg(&acc)
+            .arg(&rows_per_warp);
         // SAFETY: buffers sized at construction for these shapes.
-        unsafe { b.launch(self.matvec_cfg(w)) }?;
+        unsafe { b.launch(cfg) }.context("launching `matvec`")?;
         Ok(())
     }
 
@@ -490,7 +535,8 @@ impl CudaBackend {
         let mut b = s.launch_builder(&self.k.embed);
         b.arg(&embed).arg(&token).arg(&x);
         // SAFETY: x holds hidden_size floats; the token is checked on the host.
-        unsafe { b.launch(cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0)) }?;
+        unsafe { b.launch(cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0)) }
+            .context("launching `embed`")?;
 
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
@@ -537,7 +583,8 @@ impl CudaBackend {
                             threads as u32,
                             smem as u32,
                         ))
-                    }?;
+                    }
+                    .context("launching `deltanet_step`")?;
                     self.matvec(out_proj, core, None, x, true)?;
                     gdn_i += 1;
                 }
@@ -571,9 +618,8 @@ impl CudaBackend {
                         .arg(&vc);
                     let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
                     // SAFETY: the host checks position < max_context before each step.
-                    unsafe {
-                        b.launch(cfg(blocks, 1, c.head_dim as u32, (c.head_dim * 4) as u32))
-                    }?;
+                    unsafe { b.launch(cfg(blocks, 1, c.head_dim as u32, (c.head_dim * 4) as u32)) }
+                        .context("launching `attention_prepare`")?;
                     let (pm, ps, po) = (p(&sc.part_max), p(&sc.part_sum), p(&sc.part_out));
                     let mut b = s.launch_builder(&self.k.attention_split);
                     b.arg(&dims)
@@ -584,27 +630,27 @@ impl CudaBackend {
                         .arg(&pm)
                         .arg(&ps)
                         .arg(&po);
-                    let group = (c.num_attention_heads / c.num_key_value_heads) as u32;
                     // SAFETY: partial buffers hold heads * splits entries.
                     unsafe {
                         b.launch(cfg(
                             c.num_key_value_heads as u32,
                             ATTENTION_SPLITS as u32,
-                            32 * group,
+                            ATTENTION_THREADS,
                             0,
                         ))
-                    }?;
+                    }
+                    .context("launching `attention_split`")?;
                     let mut b = s.launch_builder(&self.k.attention_combine);
                     b.arg(&dims)
                         .arg(&proj)
+                        .arg(&position)
                         .arg(&pm)
                         .arg(&ps)
                         .arg(&po)
                         .arg(&core);
                     // SAFETY: as above.
-                    unsafe {
-                        b.launch(cfg(c.num_attention_heads as u32, 1, c.head_dim as u32, 0))
-                    }?;
+                    unsafe { b.launch(cfg(c.num_attention_heads as u32, 1, c.head_dim as u32, 0)) }
+                        .context("launching `attention_combine`")?;
                     self.matvec(o_proj, core, None, x, true)?;
                     attn_i += 1;
                 }
@@ -619,17 +665,18 @@ impl CudaBackend {
             let mut b = s.launch_builder(&self.k.argmax_partial);
             b.arg(&logits).arg(&n).arg(&av).arg(&ai);
             // SAFETY: partial buffers hold ARGMAX_BLOCKS entries.
-            unsafe { b.launch(cfg(ARGMAX_BLOCKS as u32, 1, 256, 0)) }?;
+            unsafe { b.launch(cfg(ARGMAX_BLOCKS as u32, 1, 256, 0)) }
+                .context("launching `argmax_partial`")?;
             let parts = ARGMAX_BLOCKS as i32;
             let mut b = s.launch_builder(&self.k.argmax_final);
             b.arg(&av).arg(&ai).arg(&parts).arg(&token).arg(&position);
             // SAFETY: one warp over the partials.
-            unsafe { b.launch(cfg(1, 1, 32, 0)) }?;
+            unsafe { b.launch(cfg(1, 1, 32, 0)) }.context("launching `argmax_final`")?;
         } else {
             let mut b = s.launch_builder(&self.k.advance_position);
             b.arg(&position);
             // SAFETY: one thread increments the slot's position.
-            unsafe { b.launch(cfg(1, 1, 1, 0)) }?;
+            unsafe { b.launch(cfg(1, 1, 1, 0)) }.context("launching `advance_position`")?;
         }
         Ok(())
     }
@@ -658,12 +705,7 @@ impl CudaBackend {
         let inter = c
             .moe_intermediate_size
             .max(c.shared_expert_intermediate_size);
-        let groups = if layer.gate.bits == 16 {
-            0
-        } else {
-            c.hidden_size / layer.gate.group
-        };
-        let smem = (32 + c.hidden_size + groups) * 4;
+        let smem = staged_bytes(&[c.hidden_size]);
         let mut b = s.launch_builder(&self.k.moe_gate_up);
         b.arg(&dims)
             .arg(&g)
@@ -676,14 +718,15 @@ impl CudaBackend {
             .arg(&act)
             .arg(&ids)
             .arg(&weights);
-        let row_blocks = inter.div_ceil(MATVEC_THREADS as usize / 32) as u32;
-        let slots = (c.num_experts_per_tok + 1) as u32;
+        let row_blocks =
+            inter.div_ceil(MATVEC_THREADS as usize / 32 * GATE_UP_ROWS_PER_WARP) as u32;
+        let slots = c.num_experts_per_tok + 1;
         // SAFETY: act holds (top_k + 1) * inter floats.
-        unsafe { b.launch(cfg(row_blocks, slots, MATVEC_THREADS, smem as u32)) }?;
+        unsafe { b.launch(cfg(row_blocks, slots as u32, MATVEC_THREADS, smem)) }
+            .context("launching `moe_gate_up`")?;
 
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        let per_slot = inter + inter / 32 + 1;
-        let smem = (32 + slots as usize * per_slot) * 4;
+        let smem = staged_bytes(&vec![inter; slots]);
         let mut b = s.launch_builder(&self.k.moe_down);
         b.arg(&dims)
             .arg(&d)
@@ -692,9 +735,12 @@ impl CudaBackend {
             .arg(&ids)
             .arg(&weights)
             .arg(&x);
-        let blocks = c.hidden_size.div_ceil(MATVEC_THREADS as usize / 32) as u32;
+        let blocks =
+            c.hidden_size
+                .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
         // SAFETY: as above; each output row is owned by one warp.
-        unsafe { b.launch(cfg(blocks, 1, MATVEC_THREADS, smem as u32)) }?;
+        unsafe { b.launch(cfg(blocks, 1, MATVEC_THREADS, smem)) }
+            .context("launching `moe_down`")?;
         Ok(())
     }
 
@@ -868,6 +914,16 @@ fn cfg(gx: u32, gy: u32, threads: u32, smem: u32) -> LaunchConfig {
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     }
+}
+
+/// Dynamic shared memory of a kernel that stages inputs of the given widths (`staged_floats` in
+/// rowdot.cuh: the input, then chunk sums), after 32 floats of reduction scratch.
+fn staged_bytes(widths: &[usize]) -> u32 {
+    let floats: usize = widths
+        .iter()
+        .map(|&c| c + (c / 8).next_multiple_of(4))
+        .sum();
+    ((32 + floats) * 4) as u32
 }
 
 /// The `extern "C"` kernels each module defines.

@@ -3,7 +3,6 @@
 // all query heads of one KV head, with an online softmax), then a combine that applies the
 // output gate.
 
-#define MAX_DIMS_PER_LANE 8
 
 struct AttentionDims {
     int heads, kv_heads, head_dim, rotary_dim, max_context, splits;
@@ -14,7 +13,7 @@ struct AttentionDims {
 // proj: [heads * 2 * head_dim (per head: query, gate) | kv_heads * head_dim (k) | kv (v)].
 // Writes q (normed, rotated) and appends k, v at `position` to the bf16 caches [ctx, kv, hd].
 // Launch: heads + kv_heads blocks of head_dim threads.
-extern "C" __global__ void attention_prepare(AttentionDims d, const float* proj, const float* q_norm,
+extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDims d, const float* proj, const float* q_norm,
                                              const float* k_norm, const int* position, float* q_out,
                                              bf16* k_cache, bf16* v_cache) {
     __shared__ float scratch[32];
@@ -49,78 +48,163 @@ extern "C" __global__ void attention_prepare(AttentionDims d, const float* proj,
     }
 }
 
-// Block (kv head, split): warp w handles query head kv_head * group + w over the split's slice
-// of positions 0..=position. Writes per (head, split): running max, sum and unnormalised output.
-extern "C" __global__ void attention_split(AttentionDims d, const float* q, const bf16* k_cache,
-                                           const bf16* v_cache, const int* position, float* part_max,
-                                           float* part_sum, float* part_out) {
-    const int kvh = blockIdx.x, split = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int group = d.heads / d.kv_heads;
-    const int head = kvh * group + warp;
-    const int hd = d.head_dim;
-    const int len = position[0] + 1;
-    const int per = (len + d.splits - 1) / d.splits;
-    const int begin = split * per, end = min(len, begin + per);
-    const float scale = rsqrtf((float)hd);
+#define ATTN_CHUNK 64
+#define ATTN_MAX_GROUP 16
+#define ATTN_MAX_HEAD_DIM 256
 
-    float qv[MAX_DIMS_PER_LANE], acc[MAX_DIMS_PER_LANE];
-#pragma unroll
-    for (int e = 0; e < MAX_DIMS_PER_LANE; ++e) {
-        const int dd = lane + 32 * e;
-        qv[e] = dd < hd ? q[(size_t)head * hd + dd] * scale : 0.0f;
-        acc[e] = 0.0f;
+// Positions per split for a context of `len` tokens: whole chunks, at most `max_splits` splits.
+__device__ __forceinline__ int attention_split_len(int len, int max_splits) {
+    const int per = (len + max_splits - 1) / max_splits;
+    return max(ATTN_CHUNK, (per + ATTN_CHUNK - 1) / ATTN_CHUNK * ATTN_CHUNK);
+}
+
+// Block (kv head, split), 256 threads: the split's positions for all query heads of the KV head,
+// ATTN_CHUNK positions at a time. Scores: each warp takes every 8th position of the chunk, a lane
+// 8 dimensions of its key (one 16-byte load). Values: thread t accumulates dimension t of every
+// head. Writes per (head, split): running max, sum and unnormalised output. Splits beyond the
+// context exit at once.
+extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims d, const float* q, const bf16* k_cache,
+                                                                 const bf16* v_cache, const int* position,
+                                                                 float* part_max, float* part_sum, float* part_out) {
+    __shared__ __align__(16) float qs[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
+    __shared__ float scores[ATTN_MAX_GROUP][ATTN_CHUNK];
+    __shared__ float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP], correction[ATTN_MAX_GROUP];
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int group = d.heads / d.kv_heads, hd = d.head_dim;
+    const int len = position[0] + 1;
+    const int per = attention_split_len(len, d.splits);
+    const int begin = split * per;
+    if (begin >= len) return;
+    const int end = min(len, begin + per);
+    const float scale = rsqrtf((float)hd);
+    for (int i = threadIdx.x; i < group * hd; i += blockDim.x) qs[i] = q[(size_t)kvh * group * hd + i] * scale;
+    if (threadIdx.x < group) {
+        run_max[threadIdx.x] = -INFINITY;
+        run_sum[threadIdx.x] = 0.0f;
     }
-    float m = -INFINITY, l = 0.0f;
-    for (int p = begin; p < end; ++p) {
-        const bf16* kp = k_cache + ((size_t)p * d.kv_heads + kvh) * hd;
-        float s = 0.0f;
+    float acc[ATTN_MAX_GROUP];
 #pragma unroll
-        for (int e = 0; e < MAX_DIMS_PER_LANE; ++e) {
-            const int dd = lane + 32 * e;
-            if (dd < hd) s += qv[e] * __bfloat162float(kp[dd]);
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g) acc[g] = 0.0f;
+    const int key_lanes = hd / 8;
+    const size_t row_stride = (size_t)d.kv_heads * hd;
+    const bf16* k_base = k_cache + (size_t)kvh * hd;
+    const bf16* v_base = v_cache + (size_t)kvh * hd;
+    __syncthreads();
+
+    for (int c0 = begin; c0 < end; c0 += ATTN_CHUNK) {
+        const int n = min(ATTN_CHUNK, end - c0);
+        constexpr int PER_WARP = ATTN_CHUNK / 8;
+        uint4 keys[PER_WARP];
+#pragma unroll
+        for (int t = 0; t < PER_WARP; ++t) {
+            const int p = warp + warps * t;
+            keys[t] = p < n && lane < key_lanes
+                          ? __ldg(reinterpret_cast<const uint4*>(k_base + (size_t)(c0 + p) * row_stride) + lane)
+                          : make_uint4(0, 0, 0, 0);
         }
-        s = warp_sum(s);
-        const float m_new = fmaxf(m, s);
-        const float correction = __expf(m - m_new);
-        const float w = __expf(s - m_new);
-        l = l * correction + w;
-        const bf16* vp = v_cache + ((size_t)p * d.kv_heads + kvh) * hd;
 #pragma unroll
-        for (int e = 0; e < MAX_DIMS_PER_LANE; ++e) {
-            const int dd = lane + 32 * e;
-            if (dd < hd) acc[e] = acc[e] * correction + w * __bfloat162float(vp[dd]);
+        for (int t = 0; t < PER_WARP; ++t) {
+            const int p = warp + warps * t;
+            if (p >= n) continue;
+            const uint32_t w[4] = {keys[t].x, keys[t].y, keys[t].z, keys[t].w};
+            float k[8];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                k[2 * e] = __uint_as_float(w[e] << 16);
+                k[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
+            }
+            for (int g = 0; g < group; ++g) {
+                float s = 0.0f;
+                if (lane < key_lanes) {
+                    const float4 a = *reinterpret_cast<const float4*>(qs + g * hd + lane * 8);
+                    const float4 b = *reinterpret_cast<const float4*>(qs + g * hd + lane * 8 + 4);
+                    s = a.x * k[0] + a.y * k[1] + a.z * k[2] + a.w * k[3] + b.x * k[4] + b.y * k[5] + b.z * k[6] +
+                        b.w * k[7];
+                }
+                s = warp_sum(s);
+                if (lane == 0) scores[g][p] = s;
+            }
         }
-        m = m_new;
-    }
-    const size_t slot = (size_t)head * d.splits + split;
-    if (lane == 0) {
-        part_max[slot] = m;
-        part_sum[slot] = l;
-    }
+        __syncthreads();
+        // Online softmax: warp w updates heads w, w + 8, ...
+        for (int g = warp; g < group; g += warps) {
+            const float s0 = lane < n ? scores[g][lane] : -INFINITY;
+            const float s1 = lane + 32 < n ? scores[g][lane + 32] : -INFINITY;
+            const float m_new = fmaxf(run_max[g], warp_max(fmaxf(s0, s1)));
+            const float e0 = lane < n ? __expf(s0 - m_new) : 0.0f;
+            const float e1 = lane + 32 < n ? __expf(s1 - m_new) : 0.0f;
+            scores[g][lane] = e0;
+            scores[g][lane + 32] = e1;
+            const float sum = warp_sum(e0 + e1);
+            if (lane == 0) {
+                const float c = __expf(run_max[g] - m_new);
+                correction[g] = c;
+                run_sum[g] = run_sum[g] * c + sum;
+                run_max[g] = m_new;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < hd) {
 #pragma unroll
-    for (int e = 0; e < MAX_DIMS_PER_LANE; ++e) {
-        const int dd = lane + 32 * e;
-        if (dd < hd) part_out[slot * hd + dd] = acc[e];
+            for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+                if (g < group) acc[g] *= correction[g];
+#pragma unroll 8
+            for (int p = 0; p < n; ++p) {
+                const float v = __bfloat162float(v_base[(size_t)(c0 + p) * row_stride + threadIdx.x]);
+#pragma unroll
+                for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+                    if (g < group) acc[g] += scores[g][p] * v;
+            }
+        }
+        __syncthreads();
+    }
+    const int head0 = kvh * group;
+    if (threadIdx.x < group) {
+        const size_t slot = (size_t)(head0 + threadIdx.x) * d.splits + split;
+        part_max[slot] = run_max[threadIdx.x];
+        part_sum[slot] = run_sum[threadIdx.x];
+    }
+    if (threadIdx.x < hd) {
+#pragma unroll
+        for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+            if (g < group) part_out[((size_t)(head0 + g) * d.splits + split) * hd + threadIdx.x] = acc[g];
     }
 }
 
 // Merges the splits of each head and applies the output gate sigmoid(gate).
-// Launch: heads blocks of head_dim threads.
-extern "C" __global__ void attention_combine(AttentionDims d, const float* proj, const float* part_max,
-                                             const float* part_sum, const float* part_out, float* out) {
+// Launch: heads blocks of head_dim threads; splits (at most 1024) are shared out over them.
+extern "C" __global__ void __launch_bounds__(256) attention_combine(AttentionDims d, const float* proj,
+                                                                   const int* position, const float* part_max,
+                                                                   const float* part_sum, const float* part_out,
+                                                                   float* out) {
+    __shared__ float scratch[32];
+    __shared__ float split_weight[1024];
     const int head = blockIdx.x, i = threadIdx.x, hd = d.head_dim;
+    const int len = position[0] + 1;
+    const int per = attention_split_len(len, d.splits);
+    const int splits = (len + per - 1) / per;
+    const float* pm = part_max + (size_t)head * d.splits;
+    const float* ps = part_sum + (size_t)head * d.splits;
     float m = -INFINITY;
-    for (int s = 0; s < d.splits; ++s) m = fmaxf(m, part_max[(size_t)head * d.splits + s]);
-    float l = 0.0f, acc = 0.0f;
-    for (int s = 0; s < d.splits; ++s) {
-        const size_t slot = (size_t)head * d.splits + s;
-        const float ms = part_max[slot];
-        if (ms == -INFINITY) continue;
-        const float w = __expf(ms - m);
-        l += w * part_sum[slot];
-        acc += w * part_out[slot * hd + i];
+    for (int s = i; s < splits; s += blockDim.x) m = fmaxf(m, pm[s]);
+    m = warp_max(m);
+    __syncthreads();
+    if ((i & 31) == 0) scratch[i >> 5] = m;
+    __syncthreads();
+    m = -INFINITY;
+    for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) m = fmaxf(m, scratch[w]);
+    float l = 0.0f;
+    for (int s = i; s < splits; s += blockDim.x) {
+        const float w = __expf(pm[s] - m);
+        split_weight[s] = w;
+        l += w * ps[s];
     }
+    l = block_sum(l, scratch);
+    float acc = 0.0f;
+    const float* po = part_out + (size_t)head * d.splits * hd + i;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) acc += split_weight[s] * po[(size_t)s * hd];
     const float gate = proj[(size_t)head * 2 * hd + hd + i];
     out[(size_t)head * hd + i] = acc / l * sigmoid(gate);
 }

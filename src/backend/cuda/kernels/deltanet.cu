@@ -14,7 +14,7 @@ struct DeltaNetDims {
 // proj: [conv_dim (q|k|v) | z (value_heads*value_dim) | b (value_heads) | a (value_heads)].
 // conv_ring: [kernel, conv_dim]; conv_w: [conv_dim, kernel]; state: [value_heads, key_dim, value_dim].
 // Launch: one block per value head, value_dim * groups threads, groups = max(1, key_dim / 32).
-extern "C" __global__ void deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring, const float* conv_w,
+extern "C" __global__ void __launch_bounds__(512) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring, const float* conv_w,
                                          const float* a_log, const float* dt_bias, const float* norm_w,
                                          float* state, const int* position, float* out) {
     extern __shared__ float smem[];
@@ -25,6 +25,18 @@ extern "C" __global__ void deltanet_step(DeltaNetDims d, const float* proj, floa
     const int conv_dim = 2 * key_width + d.value_heads * d.value_dim;
     const int pos = position[0];
     const int slot = pos % d.kernel;
+
+    // The recurrent state does not depend on this step's inputs: its loads go out first.
+    // Thread (dv, grp) owns state rows grp, grp + groups, ... of column dv.
+    const int groups = blockDim.x / d.value_dim;
+    const int dv = threadIdx.x % d.value_dim;
+    const int grp = threadIdx.x / d.value_dim;
+    const int rows = d.key_dim / groups;
+    float* S = state + (size_t)h * d.key_dim * d.value_dim;
+    float s[MAX_ROWS_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i)
+        if (i < rows) s[i] = S[(grp + i * groups) * d.value_dim + dv];
 
     float* q = smem;                 // [key_dim]
     float* k = q + d.key_dim;        // [key_dim]
@@ -72,19 +84,12 @@ extern "C" __global__ void deltanet_step(DeltaNetDims d, const float* proj, floa
     const float beta = sigmoid(b);
     const float decay = __expf(-__expf(a_log[h]) * softplus(a + dt_bias[h]));
 
-    // Thread (dv, grp) owns state rows grp, grp + groups, ... of column dv.
-    const int groups = blockDim.x / d.value_dim;
-    const int dv = threadIdx.x % d.value_dim;
-    const int grp = threadIdx.x / d.value_dim;
-    const int rows = d.key_dim / groups;
-    float* S = state + (size_t)h * d.key_dim * d.value_dim;
-    float s[MAX_ROWS_PER_THREAD];
     float kv = 0.0f;
 #pragma unroll
     for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i) {
         if (i < rows) {
             const int dk = grp + i * groups;
-            s[i] = S[dk * d.value_dim + dv] * decay;
+            s[i] *= decay;
             kv += s[i] * k[dk];
         }
     }

@@ -7,7 +7,7 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
     if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
 }
 
-extern "C" __global__ void argmax_partial(const float* logits, int n, float* part_val, int* part_idx) {
+extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* logits, int n, float* part_val, int* part_idx) {
     __shared__ float vals[32];
     __shared__ int idxs[32];
     float v = -INFINITY;
@@ -29,7 +29,7 @@ extern "C" __global__ void argmax_partial(const float* logits, int n, float* par
 }
 
 // One warp: the overall argmax becomes the next input token; the position advances.
-extern "C" __global__ void argmax_final(const float* part_val, const int* part_idx, int parts, int* token,
+extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_val, const int* part_idx, int parts, int* token,
                                         int* position) {
     const int lane = threadIdx.x;
     float v = -INFINITY;

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The CUDA backend's correctness checks, run on the GPU machine from the repository root:
+#   1. every kernel compiles (NVRTC, sm_90a);
+#   2. tests/cuda.rs: CUDA vs CPU backend on the tiny fixtures, logits within 3x the calibrated
+#      bf16 spread, device argmax, forks, slots, context limit;
+#   3. compute-sanitizer (memcheck) on a short prefill + decode, greedy and sampled;
+#   4. scripts/gpu_transformers_check.py: lily (CPU and CUDA) vs transformers on a full-width
+#      Qwen3.6-35B-A3B truncated to 4 layers with random weights.
+# Binaries are built here (no cargo on the GPU machine) and carried:
+#   cargo build --release --features cuda --target-dir target/cuda
+#   cargo test --release --features cuda --target-dir target/cuda --test cuda --no-run
+#   scripts/stage_gpu_binaries.sh        # copies both, stripped, into target/gpu/
+# then: scripts/gpu_check.sh [LOG_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+log="${1:-/tmp/lily-gpu-check}"
+mkdir -p "$log"
+lily=target/gpu/lily
+status=0
+step() {
+    local name="$1"
+    shift
+    echo "== $name: $*"
+    if "$@" >"$log/$name.log" 2>&1; then
+        echo "ok     $name"
+    else
+        echo "FAILED $name (see $log/$name.log)"
+        tail -n 30 "$log/$name.log"
+        status=1
+    fi
+}
+
+step kernels "$lily" kernels --check
+step cuda-tests target/gpu/cuda-tests --test-threads=1 --nocapture
+fixture=tests/fixtures/tiny-wrapper
+step sanitizer-greedy compute-sanitizer --error-exitcode 1 --tool memcheck \
+    "$lily" generate --model "$fixture" --prompt-ids 1,2,3,4,5 --max-tokens 8 --json --device cuda
+step sanitizer-sampled compute-sanitizer --error-exitcode 1 --tool memcheck \
+    "$lily" generate --model "$fixture" --prompt-ids 1,2,3,4,5 --max-tokens 8 --json --device cuda \
+    --temperature 0.8 --top-p 0.9 --seed 1
+step transformers python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-trunc
+grep -h "GPU error\|relative error" "$log"/*.log
+exit $status
