@@ -166,8 +166,20 @@ pub fn convert_to_f32(dtype: DType, bytes: &[u8], out: &mut [f32]) {
             }
         }
         DType::F16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            let n = out.len().min(bytes.len() / 2);
+            // The slice conversion uses the CPU's f16 instructions when it has them; it needs
+            // 2-byte alignment, which a mapped tensor usually has.
+            match bytemuck::try_cast_slice::<u8, u16>(&bytes[..2 * n]) {
+                Ok(bits) if cfg!(target_endian = "little") => {
+                    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+                    bits.reinterpret_cast::<half::f16>()
+                        .convert_to_f32_slice(&mut out[..n]);
+                }
+                _ => {
+                    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                        *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                    }
+                }
             }
         }
         DType::F32 => {
@@ -445,4 +457,35 @@ fn shard_paths(dir: &Path, index_path: &Path) -> Result<Vec<PathBuf>> {
             Ok(path)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_conversion_is_exact_aligned_or_not() {
+        let values: Vec<u16> = vec![
+            0x0000, 0x8000, 0x3c00, 0xbc00, 0x0001, 0x03ff, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x3555,
+        ];
+        let want: Vec<f32> = values
+            .iter()
+            .map(|&b| half::f16::from_bits(b).to_f32())
+            .collect();
+        // With one byte of padding in front the view is not 2-byte aligned (allocations are).
+        for offset in [0, 1] {
+            let mut buf = vec![0u8; offset];
+            for v in &values {
+                buf.extend_from_slice(&v.to_le_bytes());
+            }
+            let view = &buf[offset..];
+            let mut got = vec![0.0f32; values.len()];
+            convert_to_f32(DType::F16, view, &mut got);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "offset {offset}"
+            );
+        }
+    }
 }
