@@ -324,8 +324,27 @@ impl CudaBackend {
             "more than 16 query heads per KV head unsupported by the CUDA kernels"
         );
         ensure!(
-            c.num_experts_per_tok <= 32,
-            "top-k above 32 unsupported by the CUDA kernels"
+            c.num_experts_per_tok <= 32 && c.num_experts <= 1024,
+            "{} experts with top-{} unsupported by the CUDA kernels (at most 1024 experts, top-32)",
+            c.num_experts,
+            c.num_experts_per_tok
+        );
+        let widest = [
+            c.hidden_size,
+            c.linear_value_dim(),
+            c.num_attention_heads * c.head_dim,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        let inter_width = c
+            .moe_intermediate_size
+            .max(c.shared_expert_intermediate_size);
+        ensure!(
+            staged_bytes(&[widest]) as usize <= MAX_DYNAMIC_SHARED_BYTES
+                && staged_bytes(&vec![inter_width; c.num_experts_per_tok + 1]) as usize
+                    <= MAX_DYNAMIC_SHARED_BYTES,
+            "layer widths too large for the CUDA kernels' shared-memory staging"
         );
         let heads_hd = c.num_attention_heads * c.head_dim;
         let proj = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
