@@ -6,8 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
+use axum::response::Response;
 use serde_json::{Map, Value, json};
 
 use super::errors::{ApiError, JsonObject, fields};
@@ -18,7 +17,7 @@ use super::openai::{
     ToolCallOut, ToolChoice, Usage,
 };
 use super::reasoning::ReasoningSplitter;
-use super::stream::{ChunkWriter, chunk, sse_response};
+use super::stream::{self, ChunkWriter, chunk, respond};
 use super::tool_calls::{ParsedCall, ToolCallParser};
 use super::{AppState, unix_now};
 use crate::engine::generate::FinishReason;
@@ -138,16 +137,7 @@ pub async fn chat_completions(
         return_token_ids: plan.return_token_ids,
         started: Instant::now(),
     };
-    let events = merged_events(receivers);
-    if plan.stream {
-        return Ok(sse_response(events, reply));
-    }
-    let mut reply = reply;
-    let mut events = events;
-    while let Some((index, event)) = events.next().await {
-        reply.record(index, event)?;
-    }
-    Ok(axum::Json(reply.completion()).into_response())
+    respond(merged_events(receivers), reply, plan.stream).await
 }
 
 /// Messages as the template expects them: OpenAI's `developer` role as `system`, text parts
@@ -387,17 +377,6 @@ impl Reply {
         }
     }
 
-    /// Non-streaming: records an event into the whole reply.
-    fn record(&mut self, index: usize, event: Event) -> Result<(), ApiError> {
-        let step = self.step(index, event)?;
-        let choice = &mut self.choices[index];
-        choice.accumulate(&step.delta);
-        if let (Some(all), Some(one)) = (&mut choice.logprobs, step.logprobs) {
-            all.content.push(one);
-        }
-        Ok(())
-    }
-
     fn log(&self) {
         let finishes: Vec<_> = self.choices.iter().map(|c| c.finish).collect();
         log_answered(&self.id, &self.usage(), &finishes, self.started);
@@ -420,39 +399,6 @@ impl Reply {
             usage: None,
             prompt_token_ids: None,
         }
-    }
-
-    fn completion(mut self) -> ChatCompletion {
-        self.log();
-        let usage = self.usage();
-        let return_token_ids = self.return_token_ids;
-        let choices = std::mem::take(&mut self.choices)
-            .into_iter()
-            .enumerate()
-            .map(|(index, c)| {
-                let content = match c.message.content {
-                    None if c.message.tool_calls.is_empty() => Some(String::new()),
-                    content => content,
-                };
-                ChatChoice {
-                    index,
-                    message: Some(ReplyMessage {
-                        role: "assistant",
-                        content,
-                        reasoning_content: c.message.reasoning_content,
-                        tool_calls: c.message.tool_calls,
-                    }),
-                    delta: None,
-                    logprobs: c.logprobs,
-                    finish_reason: c.finish,
-                    token_ids: return_token_ids.then_some(c.token_ids),
-                }
-            })
-            .collect();
-        let mut completion = self.envelope("chat.completion", choices);
-        completion.usage = Some(Some(usage));
-        completion.prompt_token_ids = self.prompt_ids.take();
-        completion
     }
 
     fn chunk_for(
@@ -488,6 +434,53 @@ impl Reply {
             c.usage = Some(None);
         }
         c
+    }
+}
+
+impl stream::Reply for Reply {
+    type Whole = ChatCompletion;
+
+    fn record(&mut self, index: usize, event: Event) -> Result<(), ApiError> {
+        let step = self.step(index, event)?;
+        let choice = &mut self.choices[index];
+        choice.accumulate(&step.delta);
+        if let (Some(all), Some(one)) = (&mut choice.logprobs, step.logprobs) {
+            all.content.push(one);
+        }
+        Ok(())
+    }
+
+    fn whole(mut self) -> ChatCompletion {
+        self.log();
+        let usage = self.usage();
+        let return_token_ids = self.return_token_ids;
+        let choices = std::mem::take(&mut self.choices)
+            .into_iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let content = match c.message.content {
+                    None if c.message.tool_calls.is_empty() => Some(String::new()),
+                    content => content,
+                };
+                ChatChoice {
+                    index,
+                    message: Some(ReplyMessage {
+                        role: "assistant",
+                        content,
+                        reasoning_content: c.message.reasoning_content,
+                        tool_calls: c.message.tool_calls,
+                    }),
+                    delta: None,
+                    logprobs: c.logprobs,
+                    finish_reason: c.finish,
+                    token_ids: return_token_ids.then_some(c.token_ids),
+                }
+            })
+            .collect();
+        let mut completion = self.envelope("chat.completion", choices);
+        completion.usage = Some(Some(usage));
+        completion.prompt_token_ids = self.prompt_ids.take();
+        completion
     }
 }
 

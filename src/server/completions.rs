@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
+use axum::response::Response;
 use serde_json::{Map, Value};
 
 use super::chat::token_text;
@@ -15,7 +14,7 @@ use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events};
 use super::openai::{
     CommonFields, Completion, CompletionChoice, CompletionFields, CompletionLogprobs, Prompt, Usage,
 };
-use super::stream::{ChunkWriter, chunk, sse_response};
+use super::stream::{self, ChunkWriter, chunk, respond};
 use super::{AppState, unix_now};
 use crate::engine::generate::FinishReason;
 use crate::engine::scheduler::{Event, TokenLogprobs};
@@ -99,16 +98,7 @@ pub async fn completions(
         return_token_ids: plan.return_token_ids,
         started: Instant::now(),
     };
-    let events = merged_events(receivers);
-    if plan.stream {
-        return Ok(sse_response(events, reply));
-    }
-    let mut reply = reply;
-    let mut events = events;
-    while let Some((index, event)) = events.next().await {
-        reply.step(index, event)?;
-    }
-    Ok(axum::Json(reply.completion()).into_response())
+    respond(merged_events(receivers), reply, plan.stream).await
 }
 
 fn text_prompt(
@@ -245,8 +235,16 @@ impl Reply {
             prompt_token_ids: None,
         }
     }
+}
 
-    fn completion(mut self) -> Completion {
+impl stream::Reply for Reply {
+    type Whole = Completion;
+
+    fn record(&mut self, index: usize, event: Event) -> Result<(), ApiError> {
+        self.step(index, event).map(drop)
+    }
+
+    fn whole(mut self) -> Completion {
         self.log();
         let usage = self.usage();
         let echo = self.echo.take().unwrap_or_default();

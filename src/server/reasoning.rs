@@ -67,12 +67,9 @@ impl ReasoningSplitter {
                 }
                 Phase::Reasoning { fresh } => {
                     if fresh {
-                        let trimmed = self.pending.trim_start();
-                        if trimmed.is_empty() {
-                            self.pending.clear();
+                        if !self.trim_section_start() {
                             return out;
                         }
-                        self.pending = trimmed.to_owned();
                         self.phase = Phase::Reasoning { fresh: false };
                     }
                     if let Some(at) = self.pending.find(CLOSE) {
@@ -90,12 +87,9 @@ impl ReasoningSplitter {
                 }
                 Phase::Content { fresh } => {
                     if fresh {
-                        let trimmed = self.pending.trim_start();
-                        if trimmed.is_empty() {
-                            self.pending.clear();
+                        if !self.trim_section_start() {
                             return out;
                         }
-                        self.pending = trimmed.to_owned();
                         self.phase = Phase::Content { fresh: false };
                     }
                     out.content.push_str(&self.pending);
@@ -104,6 +98,17 @@ impl ReasoningSplitter {
                 }
             }
         }
+    }
+
+    /// Drops the whitespace that opens a section; false while nothing else has arrived.
+    fn trim_section_start(&mut self) -> bool {
+        let trimmed = self.pending.trim_start();
+        if trimmed.is_empty() {
+            self.pending.clear();
+            return false;
+        }
+        self.pending = trimmed.to_owned();
+        true
     }
 
     /// Ends the reply: text held back turned out to be plain text of its channel.

@@ -22,6 +22,33 @@ pub trait ChunkWriter: Send + 'static {
     fn on_end(&mut self) -> Vec<String>;
 }
 
+/// An endpoint's reply, sent either as a stream of chunks or whole.
+pub trait Reply: ChunkWriter {
+    /// The non-streaming response body.
+    type Whole: Serialize;
+    /// Records one event of choice `index` into the whole reply.
+    fn record(&mut self, index: usize, event: Event) -> Result<(), ApiError>;
+    /// The whole reply once every choice finished.
+    fn whole(self) -> Self::Whole;
+}
+
+/// Answers with `reply` built from `events`: an SSE stream when `stream`, else one JSON body
+/// once every choice finished.
+pub async fn respond<R: Reply>(
+    events: BoxStream<'static, (usize, Event)>,
+    mut reply: R,
+    stream: bool,
+) -> Result<Response, ApiError> {
+    if stream {
+        return Ok(sse_response(events, reply));
+    }
+    let mut events = events;
+    while let Some((index, event)) = events.next().await {
+        reply.record(index, event)?;
+    }
+    Ok(axum::Json(reply.whole()).into_response())
+}
+
 /// Serialises a chunk for a `data:` line.
 pub fn chunk(value: &impl Serialize) -> String {
     serde_json::to_string(value).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))

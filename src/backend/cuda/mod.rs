@@ -557,6 +557,27 @@ impl CudaBackend {
         unsafe { b.launch(cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0)) }
             .context("launching `embed`")?;
 
+        let gdn_dims = DeltaNetDims {
+            key_heads: c.linear_num_key_heads as i32,
+            value_heads: c.linear_num_value_heads as i32,
+            key_dim: c.linear_key_head_dim as i32,
+            value_dim: c.linear_value_head_dim as i32,
+            kernel: c.linear_conv_kernel_dim as i32,
+            eps,
+        };
+        let gdn_threads = c.linear_value_head_dim * (c.linear_key_head_dim / 32).max(1);
+        let gdn_smem = (2 * c.linear_key_head_dim + c.linear_value_head_dim + gdn_threads + 32) * 4;
+        let attn_dims = AttentionDims {
+            heads: c.num_attention_heads as i32,
+            kv_heads: c.num_key_value_heads as i32,
+            head_dim: c.head_dim as i32,
+            rotary_dim: c.rotary_dim as i32,
+            max_context: self.max_context as i32,
+            splits: ATTENTION_SPLITS as i32,
+            eps,
+            rope_theta: c.rope_theta as f32,
+        };
+
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
             match &layer.mixer {
@@ -569,22 +590,10 @@ impl CudaBackend {
                     norm,
                 } => {
                     self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false)?;
-                    let dims = DeltaNetDims {
-                        key_heads: c.linear_num_key_heads as i32,
-                        value_heads: c.linear_num_value_heads as i32,
-                        key_dim: c.linear_key_head_dim as i32,
-                        value_dim: c.linear_value_head_dim as i32,
-                        kernel: c.linear_conv_kernel_dim as i32,
-                        eps,
-                    };
-                    let groups = (c.linear_key_head_dim / 32).max(1);
-                    let threads = c.linear_value_head_dim * groups;
-                    let smem =
-                        (2 * c.linear_key_head_dim + c.linear_value_head_dim + threads + 32) * 4;
                     let (conv, rec) = (p(&slot.conv[gdn_i]), p(&slot.recurrent[gdn_i]));
                     let (cw, al, dtb, nw) = (p(conv_w), p(a_log), p(dt_bias), p(norm));
                     let mut b = s.launch_builder(&self.k.deltanet_step);
-                    b.arg(&dims)
+                    b.arg(&gdn_dims)
                         .arg(&proj)
                         .arg(&conv)
                         .arg(&cw)
@@ -599,8 +608,8 @@ impl CudaBackend {
                         b.launch(cfg(
                             c.linear_num_value_heads as u32,
                             1,
-                            threads as u32,
-                            smem as u32,
+                            gdn_threads as u32,
+                            gdn_smem as u32,
                         ))
                     }
                     .context("launching `deltanet_step`")?;
@@ -614,20 +623,10 @@ impl CudaBackend {
                     k_norm,
                 } => {
                     self.matvec(qkv, x, Some(p(&layer.input_norm)), proj, false)?;
-                    let dims = AttentionDims {
-                        heads: c.num_attention_heads as i32,
-                        kv_heads: c.num_key_value_heads as i32,
-                        head_dim: c.head_dim as i32,
-                        rotary_dim: c.rotary_dim as i32,
-                        max_context: self.max_context as i32,
-                        splits: ATTENTION_SPLITS as i32,
-                        eps,
-                        rope_theta: c.rope_theta as f32,
-                    };
                     let (kc, vc) = (ptr(&slot.kv[attn_i].0, s), ptr(&slot.kv[attn_i].1, s));
                     let (qn, kn, q) = (p(q_norm), p(k_norm), p(&sc.q));
                     let mut b = s.launch_builder(&self.k.attention_prepare);
-                    b.arg(&dims)
+                    b.arg(&attn_dims)
                         .arg(&proj)
                         .arg(&qn)
                         .arg(&kn)
@@ -641,7 +640,7 @@ impl CudaBackend {
                         .context("launching `attention_prepare`")?;
                     let (pm, ps, po) = (p(&sc.part_max), p(&sc.part_sum), p(&sc.part_out));
                     let mut b = s.launch_builder(&self.k.attention_split);
-                    b.arg(&dims)
+                    b.arg(&attn_dims)
                         .arg(&q)
                         .arg(&kc)
                         .arg(&vc)
@@ -660,7 +659,7 @@ impl CudaBackend {
                     }
                     .context("launching `attention_split`")?;
                     let mut b = s.launch_builder(&self.k.attention_combine);
-                    b.arg(&dims)
+                    b.arg(&attn_dims)
                         .arg(&proj)
                         .arg(&position)
                         .arg(&pm)

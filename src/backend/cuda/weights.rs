@@ -93,15 +93,20 @@ impl DeviceWeight {
                 }
             }
         }
-        Ok(Self {
-            data: stream.clone_htod(&host)?,
+        Ok(Self::bf16(stream.clone_htod(&host)?, rows, cols))
+    }
+
+    /// A dense bf16 matrix already on the device.
+    fn bf16(data: CudaSlice<u8>, rows: usize, cols: usize) -> Self {
+        Self {
+            data,
             scales: None,
             biases: None,
             rows,
             cols,
             bits: 16,
             group: 0,
-        })
+        }
     }
 
     fn upload_quantized(
@@ -172,15 +177,7 @@ impl DeviceWeight {
             WeightFormat::Bf16 => {
                 let data = stream.alloc_zeros::<u8>(rows * cols * 2)?;
                 fill.bf16(stream, ptr(&data, stream), rows * cols, seed, scale)?;
-                Ok(Self {
-                    data,
-                    scales: None,
-                    biases: None,
-                    rows,
-                    cols,
-                    bits: 16,
-                    group: 0,
-                })
+                Ok(Self::bf16(data, rows, cols))
             }
             WeightFormat::Affine { bits, group } => {
                 let words = rows * cols * bits / 32;
