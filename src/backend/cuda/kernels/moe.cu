@@ -92,9 +92,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weig
     const int slot = blockIdx.y;
     const bool shared = slot == d.top_k;
     for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) logits[e] = router_logits[e];
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < d.hidden; i += blockDim.x) ss += residual[i] * residual[i];
-    ss = block_sum(ss, smem);
+    const float ss = block_sum(sum_of_squares(residual, d.hidden), smem);
     const Weight& g = shared ? shared_gate : gate;
     const Weight& u = shared ? shared_up : up;
     float* xs = smem + 32;

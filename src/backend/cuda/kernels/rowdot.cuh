@@ -22,17 +22,39 @@
 __host__ __device__ __forceinline__ int staged_floats(int cols) { return cols + ((cols / 8 + 3) & ~3); }
 
 // Writes x (times `inv` and `norm_scale` when non-null) in the staged layout for a weight of
-// `bits` bits and `cols` inputs into `xs` (16-byte aligned). No barrier: see stage_chunk_sums.
+// `bits` bits and `cols` inputs into `xs` (16-byte aligned). x and norm_scale are read as float4s
+// (16-byte aligned, cols a multiple of 8), several loads in flight per thread: staging sits on
+// every mat-vec's critical path. No barrier: see stage_chunk_sums.
 __device__ __forceinline__ void stage_values(int bits, int cols, const float* x, const float* norm_scale, float inv,
                                              float* xs) {
     const int vpc = values_per_chunk(bits);
     const int chunks = cols / vpc;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = x[i] * inv;
-        if (norm_scale != nullptr) v *= norm_scale[i];
-        const int c = i / vpc, j = i % vpc;
-        xs[((j >> 2) * chunks + c) * 4 + (j & 3)] = v;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const float4* n4 = reinterpret_cast<const float4*>(norm_scale);
+#pragma unroll 4
+    for (int i4 = threadIdx.x; i4 < cols / 4; i4 += blockDim.x) {
+        const float4 v = x4[i4];
+        const float4 n = norm_scale != nullptr ? n4[i4] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+        const float e[4] = {v.x * inv * n.x, v.y * inv * n.y, v.z * inv * n.z, v.w * inv * n.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = 4 * i4 + k;
+            const int c = i / vpc, j = i % vpc;
+            xs[((j >> 2) * chunks + c) * 4 + (j & 3)] = e[k];
+        }
     }
+}
+
+// This thread's share of sum(x[i]^2), read as float4s (see stage_values).
+__device__ __forceinline__ float sum_of_squares(const float* x, int cols) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    float ss = 0.0f;
+#pragma unroll 4
+    for (int i4 = threadIdx.x; i4 < cols / 4; i4 += blockDim.x) {
+        const float4 v = x4[i4];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    return ss;
 }
 
 // The chunk sums after staged values (quantised weights only), computed by threads
@@ -59,12 +81,7 @@ __device__ __forceinline__ void stage_chunk_sums(int bits, int cols, float* xs, 
 __device__ void stage_input(int bits, int cols, const float* x, const float* norm_scale, float eps, float* xs,
                             float* scratch) {
     float inv = 1.0f;
-    if (norm_scale != nullptr) {
-        float ss = 0.0f;
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += x[i] * x[i];
-        ss = block_sum(ss, scratch);
-        inv = rsqrtf(ss / cols + eps);
-    }
+    if (norm_scale != nullptr) inv = rsqrtf(block_sum(sum_of_squares(x, cols), scratch) / cols + eps);
     stage_values(bits, cols, x, norm_scale, inv, xs);
     __syncthreads();
     stage_chunk_sums(bits, cols, xs, blockDim.x);
