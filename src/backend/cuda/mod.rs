@@ -14,10 +14,14 @@
 pub mod kernels;
 pub mod weights;
 
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, bail, ensure};
-use cudarc::driver::sys::{CUfunction_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{
+    CUfunction_attribute, CUgraphInstantiate_flags, CUlaunchAttribute, CUlaunchAttributeID,
+    CUlaunchAttributeValue, CUlaunchConfig, CUstreamCaptureMode,
+};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
     PushKernelArg,
@@ -527,18 +531,71 @@ impl CudaBackend {
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
-        let mut b = s.launch_builder(&self.k.matvec);
         let (cfg, rows_per_warp) = self.matvec_cfg(w);
-        b.arg(&desc)
-            .arg(&x)
-            .arg(&norm)
-            .arg(&eps)
-            .arg(&y)
-            .arg(&acc)
-            .arg(&rows_per_warp);
         // SAFETY: buffers sized at construction for these shapes.
-        unsafe { b.launch(cfg) }.context("launching `matvec`")?;
+        unsafe {
+            self.launch(
+                "matvec",
+                &self.k.matvec,
+                cfg,
+                &mut [
+                    arg(&desc),
+                    arg(&x),
+                    arg(&norm),
+                    arg(&eps),
+                    arg(&y),
+                    arg(&acc),
+                    arg(&rows_per_warp),
+                ],
+            )
+        }?;
         Ok(())
+    }
+
+    /// Launches `kernel` on the stream with programmatic dependent launch: its blocks may start
+    /// while the previous kernel finishes, and wait for it where common.cuh's
+    /// `wait_for_previous_kernel` says (weight loads go out before that).
+    ///
+    /// # Safety
+    /// `params` must point to the kernel's arguments, in order and of the right types, and the
+    /// buffers they name must fit the launch.
+    unsafe fn launch(
+        &self,
+        name: &str,
+        kernel: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let mut attribute = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        // SAFETY: the caller vouches for the parameters; config and attribute outlive the call.
+        unsafe {
+            cudarc::driver::sys::cuLaunchKernelEx(
+                &config,
+                kernel.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .with_context(|| format!("launching `{name}`"))
     }
 
     /// Issues one decode step for `slot` on the stream (for capture into a graph).
@@ -551,11 +608,15 @@ impl CudaBackend {
         let eps = c.rms_norm_eps;
 
         let embed = m.embed.desc(s);
-        let mut b = s.launch_builder(&self.k.embed);
-        b.arg(&embed).arg(&token).arg(&x);
         // SAFETY: x holds hidden_size floats; the token is checked on the host.
-        unsafe { b.launch(cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0)) }
-            .context("launching `embed`")?;
+        unsafe {
+            self.launch(
+                "embed",
+                &self.k.embed,
+                cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0),
+                &mut [arg(&embed), arg(&token), arg(&x)],
+            )
+        }?;
 
         let gdn_dims = DeltaNetDims {
             key_heads: c.linear_num_key_heads as i32,
@@ -592,27 +653,31 @@ impl CudaBackend {
                     self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false)?;
                     let (conv, rec) = (p(&slot.conv[gdn_i]), p(&slot.recurrent[gdn_i]));
                     let (cw, al, dtb, nw) = (p(conv_w), p(a_log), p(dt_bias), p(norm));
-                    let mut b = s.launch_builder(&self.k.deltanet_step);
-                    b.arg(&gdn_dims)
-                        .arg(&proj)
-                        .arg(&conv)
-                        .arg(&cw)
-                        .arg(&al)
-                        .arg(&dtb)
-                        .arg(&nw)
-                        .arg(&rec)
-                        .arg(&position)
-                        .arg(&core);
                     // SAFETY: shapes checked at construction.
                     unsafe {
-                        b.launch(cfg(
-                            c.linear_num_value_heads as u32,
-                            1,
-                            gdn_threads as u32,
-                            gdn_smem as u32,
-                        ))
-                    }
-                    .context("launching `deltanet_step`")?;
+                        self.launch(
+                            "deltanet_step",
+                            &self.k.deltanet_step,
+                            cfg(
+                                c.linear_num_value_heads as u32,
+                                1,
+                                gdn_threads as u32,
+                                gdn_smem as u32,
+                            ),
+                            &mut [
+                                arg(&gdn_dims),
+                                arg(&proj),
+                                arg(&conv),
+                                arg(&cw),
+                                arg(&al),
+                                arg(&dtb),
+                                arg(&nw),
+                                arg(&rec),
+                                arg(&position),
+                                arg(&core),
+                            ],
+                        )
+                    }?;
                     self.matvec(out_proj, core, None, x, true)?;
                     gdn_i += 1;
                 }
@@ -625,50 +690,66 @@ impl CudaBackend {
                     self.matvec(qkv, x, Some(p(&layer.input_norm)), proj, false)?;
                     let (kc, vc) = (ptr(&slot.kv[attn_i].0, s), ptr(&slot.kv[attn_i].1, s));
                     let (qn, kn, q) = (p(q_norm), p(k_norm), p(&sc.q));
-                    let mut b = s.launch_builder(&self.k.attention_prepare);
-                    b.arg(&attn_dims)
-                        .arg(&proj)
-                        .arg(&qn)
-                        .arg(&kn)
-                        .arg(&position)
-                        .arg(&q)
-                        .arg(&kc)
-                        .arg(&vc);
                     let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
                     // SAFETY: the host checks position < max_context before each step.
-                    unsafe { b.launch(cfg(blocks, 1, c.head_dim as u32, (c.head_dim * 4) as u32)) }
-                        .context("launching `attention_prepare`")?;
+                    unsafe {
+                        self.launch(
+                            "attention_prepare",
+                            &self.k.attention_prepare,
+                            cfg(blocks, 1, c.head_dim as u32, (c.head_dim * 4) as u32),
+                            &mut [
+                                arg(&attn_dims),
+                                arg(&proj),
+                                arg(&qn),
+                                arg(&kn),
+                                arg(&position),
+                                arg(&q),
+                                arg(&kc),
+                                arg(&vc),
+                            ],
+                        )
+                    }?;
                     let (pm, ps, po) = (p(&sc.part_max), p(&sc.part_sum), p(&sc.part_out));
-                    let mut b = s.launch_builder(&self.k.attention_split);
-                    b.arg(&attn_dims)
-                        .arg(&q)
-                        .arg(&kc)
-                        .arg(&vc)
-                        .arg(&position)
-                        .arg(&pm)
-                        .arg(&ps)
-                        .arg(&po);
                     // SAFETY: partial buffers hold heads * splits entries.
                     unsafe {
-                        b.launch(cfg(
-                            c.num_key_value_heads as u32,
-                            ATTENTION_SPLITS as u32,
-                            ATTENTION_THREADS,
-                            0,
-                        ))
-                    }
-                    .context("launching `attention_split`")?;
-                    let mut b = s.launch_builder(&self.k.attention_combine);
-                    b.arg(&attn_dims)
-                        .arg(&proj)
-                        .arg(&position)
-                        .arg(&pm)
-                        .arg(&ps)
-                        .arg(&po)
-                        .arg(&core);
+                        self.launch(
+                            "attention_split",
+                            &self.k.attention_split,
+                            cfg(
+                                c.num_key_value_heads as u32,
+                                ATTENTION_SPLITS as u32,
+                                ATTENTION_THREADS,
+                                0,
+                            ),
+                            &mut [
+                                arg(&attn_dims),
+                                arg(&q),
+                                arg(&kc),
+                                arg(&vc),
+                                arg(&position),
+                                arg(&pm),
+                                arg(&ps),
+                                arg(&po),
+                            ],
+                        )
+                    }?;
                     // SAFETY: as above.
-                    unsafe { b.launch(cfg(c.num_attention_heads as u32, 1, c.head_dim as u32, 0)) }
-                        .context("launching `attention_combine`")?;
+                    unsafe {
+                        self.launch(
+                            "attention_combine",
+                            &self.k.attention_combine,
+                            cfg(c.num_attention_heads as u32, 1, c.head_dim as u32, 0),
+                            &mut [
+                                arg(&attn_dims),
+                                arg(&proj),
+                                arg(&position),
+                                arg(&pm),
+                                arg(&ps),
+                                arg(&po),
+                                arg(&core),
+                            ],
+                        )
+                    }?;
                     self.matvec(o_proj, core, None, x, true)?;
                     attn_i += 1;
                 }
@@ -680,21 +761,35 @@ impl CudaBackend {
         if greedy {
             let (av, ai) = (p(&sc.arg_val), ptr(&sc.arg_idx, s));
             let n = c.vocab_size as i32;
-            let mut b = s.launch_builder(&self.k.argmax_partial);
-            b.arg(&logits).arg(&n).arg(&av).arg(&ai);
             // SAFETY: partial buffers hold ARGMAX_BLOCKS entries.
-            unsafe { b.launch(cfg(ARGMAX_BLOCKS as u32, 1, 256, 0)) }
-                .context("launching `argmax_partial`")?;
+            unsafe {
+                self.launch(
+                    "argmax_partial",
+                    &self.k.argmax_partial,
+                    cfg(ARGMAX_BLOCKS as u32, 1, 256, 0),
+                    &mut [arg(&logits), arg(&n), arg(&av), arg(&ai)],
+                )
+            }?;
             let parts = ARGMAX_BLOCKS as i32;
-            let mut b = s.launch_builder(&self.k.argmax_final);
-            b.arg(&av).arg(&ai).arg(&parts).arg(&token).arg(&position);
             // SAFETY: one warp over the partials.
-            unsafe { b.launch(cfg(1, 1, 32, 0)) }.context("launching `argmax_final`")?;
+            unsafe {
+                self.launch(
+                    "argmax_final",
+                    &self.k.argmax_final,
+                    cfg(1, 1, 32, 0),
+                    &mut [arg(&av), arg(&ai), arg(&parts), arg(&token), arg(&position)],
+                )
+            }?;
         } else {
-            let mut b = s.launch_builder(&self.k.advance_position);
-            b.arg(&position);
             // SAFETY: one thread increments the slot's position.
-            unsafe { b.launch(cfg(1, 1, 1, 0)) }.context("launching `advance_position`")?;
+            unsafe {
+                self.launch(
+                    "advance_position",
+                    &self.k.advance_position,
+                    cfg(1, 1, 1, 0),
+                    &mut [arg(&position)],
+                )
+            }?;
         }
         Ok(())
     }
@@ -724,41 +819,53 @@ impl CudaBackend {
             .moe_intermediate_size
             .max(c.shared_expert_intermediate_size);
         let smem = staged_bytes(&[c.hidden_size]);
-        let mut b = s.launch_builder(&self.k.moe_gate_up);
-        b.arg(&dims)
-            .arg(&g)
-            .arg(&u)
-            .arg(&sg)
-            .arg(&su)
-            .arg(&x)
-            .arg(&post)
-            .arg(&router)
-            .arg(&act)
-            .arg(&ids)
-            .arg(&weights);
         let row_blocks =
             inter.div_ceil(MATVEC_THREADS as usize / 32 * GATE_UP_ROWS_PER_WARP) as u32;
         let slots = c.num_experts_per_tok + 1;
         // SAFETY: act holds (top_k + 1) * inter floats.
-        unsafe { b.launch(cfg(row_blocks, slots as u32, MATVEC_THREADS, smem)) }
-            .context("launching `moe_gate_up`")?;
+        unsafe {
+            self.launch(
+                "moe_gate_up",
+                &self.k.moe_gate_up,
+                cfg(row_blocks, slots as u32, MATVEC_THREADS, smem),
+                &mut [
+                    arg(&dims),
+                    arg(&g),
+                    arg(&u),
+                    arg(&sg),
+                    arg(&su),
+                    arg(&x),
+                    arg(&post),
+                    arg(&router),
+                    arg(&act),
+                    arg(&ids),
+                    arg(&weights),
+                ],
+            )
+        }?;
 
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
         let smem = staged_bytes(&vec![inter; slots]);
-        let mut b = s.launch_builder(&self.k.moe_down);
-        b.arg(&dims)
-            .arg(&d)
-            .arg(&sd)
-            .arg(&act)
-            .arg(&ids)
-            .arg(&weights)
-            .arg(&x);
         let blocks =
             c.hidden_size
                 .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
         // SAFETY: as above; each output row is owned by one warp.
-        unsafe { b.launch(cfg(blocks, 1, MATVEC_THREADS, smem)) }
-            .context("launching `moe_down`")?;
+        unsafe {
+            self.launch(
+                "moe_down",
+                &self.k.moe_down,
+                cfg(blocks, 1, MATVEC_THREADS, smem),
+                &mut [
+                    arg(&dims),
+                    arg(&d),
+                    arg(&sd),
+                    arg(&act),
+                    arg(&ids),
+                    arg(&weights),
+                    arg(&x),
+                ],
+            )
+        }?;
         Ok(())
     }
 
@@ -932,6 +1039,11 @@ fn cfg(gx: u32, gy: u32, threads: u32, smem: u32) -> LaunchConfig {
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     }
+}
+
+/// A kernel parameter as `cuLaunchKernelEx` takes it: a pointer to the value.
+fn arg<T>(value: &T) -> *mut c_void {
+    value as *const T as *mut c_void
 }
 
 /// Dynamic shared memory of a kernel that stages inputs of the given widths (`staged_floats` in

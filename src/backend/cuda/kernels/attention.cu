@@ -16,6 +16,7 @@ struct AttentionDims {
 extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDims d, const float* proj, const float* q_norm,
                                              const float* k_norm, const int* position, float* q_out,
                                              bf16* k_cache, bf16* v_cache) {
+    wait_for_previous_kernel();
     __shared__ float scratch[32];
     extern __shared__ float head[];
     const int b = blockIdx.x, i = threadIdx.x, hd = d.head_dim;
@@ -66,6 +67,7 @@ __device__ __forceinline__ int attention_split_len(int len, int max_splits) {
 extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims d, const float* q, const bf16* k_cache,
                                                                  const bf16* v_cache, const int* position,
                                                                  float* part_max, float* part_sum, float* part_out) {
+    wait_for_previous_kernel();
     __shared__ __align__(16) float qs[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
     __shared__ float scores[ATTN_MAX_GROUP][ATTN_CHUNK];
     __shared__ float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP], correction[ATTN_MAX_GROUP];
@@ -178,6 +180,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(AttentionDim
                                                                    const int* position, const float* part_max,
                                                                    const float* part_sum, const float* part_out,
                                                                    float* out) {
+    wait_for_previous_kernel();
     __shared__ float scratch[32];
     __shared__ float split_weight[1024];
     const int head = blockIdx.x, i = threadIdx.x, hd = d.head_dim;

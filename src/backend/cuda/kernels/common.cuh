@@ -52,6 +52,16 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(t);
 }
 
+// Programmatic dependent launch (sm_90): the host launches every decode kernel so that it may
+// start while the previous kernel finishes. A kernel first issues what depends only on its
+// weights, then calls wait_for_previous_kernel() before it reads or writes anything else; after
+// that it lets the next kernel start (the next one's early part then overlaps this one, never the
+// kernel before). Both are no-ops for an ordinary launch.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }

@@ -37,6 +37,8 @@ extern "C" __global__ void __launch_bounds__(512) deltanet_step(DeltaNetDims d, 
 #pragma unroll
     for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i)
         if (i < rows) s[i] = S[(grp + i * groups) * d.value_dim + dv];
+    // The state was last written by this layer's step of the previous token, long finished.
+    wait_for_previous_kernel();
 
     float* q = smem;                 // [key_dim]
     float* k = q + d.key_dim;        // [key_dim]

@@ -17,6 +17,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
     for (int i = 0; i < R; ++i) rows[i] = row_ref(w, row0 + i, xs);
     // The first rows' weights are in flight while the input is staged.
     load_pass<BITS, R, U>(rows, 0, w.group, lane, pass);
+    wait_for_previous_kernel();
     stage_input(BITS, w.cols, x, norm_scale, eps, xs, smem);
     while (row0 < w.rows) {
         float acc[R];
@@ -61,6 +62,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec(Weight w, const floa
 
 // x = row `token[0]` of the embedding table, dequantised to f32.
 extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* token, float* x) {
+    wait_for_previous_kernel();
     const int row = token[0];
     const int cols = w.cols;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < cols; i += gridDim.x * blockDim.x) {

@@ -85,6 +85,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weig
                                                               Weight shared_up, const float* residual,
                                                               const float* norm_scale, const float* router_logits,
                                                               float* act, int* ids_out, float* weights_out) {
+    wait_for_previous_kernel();
     extern __shared__ __align__(16) float smem[];
     __shared__ float logits[MAX_EXPERTS + 1];
     __shared__ int ids[MAX_TOP_K + 1];
@@ -192,6 +193,7 @@ __device__ void down_first_pass(const MoeDims& d, const Weight& down, const int*
 extern "C" __global__ void __launch_bounds__(256, 2) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual) {
+    wait_for_previous_kernel();
     extern __shared__ __align__(16) float smem[];
     __shared__ int ids[MAX_TOP_K + 1];
     __shared__ float weights[MAX_TOP_K + 1];

@@ -8,6 +8,7 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* logits, int n, float* part_val, int* part_idx) {
+    wait_for_previous_kernel();
     __shared__ float vals[32];
     __shared__ int idxs[32];
     float v = -INFINITY;
@@ -31,6 +32,7 @@ extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* lo
 // One warp: the overall argmax becomes the next input token; the position advances.
 extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_val, const int* part_idx, int parts, int* token,
                                         int* position) {
+    wait_for_previous_kernel();
     const int lane = threadIdx.x;
     float v = -INFINITY;
     int idx = 0x7fffffff;
@@ -44,4 +46,7 @@ extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_
 }
 
 // Advances the position counter when the host picks the token itself (sampling on the host).
-extern "C" __global__ void advance_position(int* position) { position[0] += 1; }
+extern "C" __global__ void advance_position(int* position) {
+    wait_for_previous_kernel();
+    position[0] += 1;
+}
