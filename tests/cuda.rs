@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use lily::backend::cpu::CpuBackend;
 use lily::backend::cuda::{CudaBackend, CudaOptions};
-use lily::backend::{Backend, LogitsFor, argmax};
+use lily::backend::{Backend, DeviceDraw, LogitsFor, argmax};
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
 use lily::model::Model;
 use lily::quant::QuantSpec;
@@ -163,4 +163,92 @@ fn context_limit_is_an_error() {
         .prefill(&mut s, &[1, 2, 3, 4, 5], LogitsFor::Last)
         .unwrap_err();
     assert!(err.to_string().contains("context"), "{err}");
+}
+
+/// Host reference of the device draw: softmax(logits / T), then top-k, then top-p over what
+/// top-k kept (the smallest most likely set reaching `top_p` of its mass), renormalised.
+fn filtered_probabilities(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Vec<f64> {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&l| f64::from((l - max) / temperature).exp())
+        .collect();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    order.truncate(top_k);
+    let total: f64 = order.iter().map(|&i| weights[i]).sum();
+    let mut kept = Vec::new();
+    let mut mass = 0.0;
+    for &i in &order {
+        kept.push(i);
+        mass += weights[i];
+        if mass >= f64::from(top_p) * total {
+            break;
+        }
+    }
+    let mut probs = vec![0.0; logits.len()];
+    for &i in &kept {
+        probs[i] = weights[i] / mass;
+    }
+    probs
+}
+
+#[test]
+fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
+    let dir = &fixtures()[0];
+    let model = Model::load(dir).unwrap();
+    let vocab = model.config.vocab_size;
+    let gpu = cuda(&model, 3);
+    assert!(gpu.samples_on_device());
+    let prompt = &prompts(dir)[0];
+    let (head, last) = prompt.split_at(prompt.len() - 1);
+    let mut base = gpu.new_state().unwrap();
+    gpu.prefill(&mut base, head, LogitsFor::Last).unwrap();
+    let logits = {
+        let mut probe = gpu.fork(&base).unwrap();
+        gpu.decode(&mut [&mut probe], last).unwrap()
+    };
+    let draw = |seed: u64, top_k: usize| DeviceDraw {
+        temperature: 0.8,
+        top_k,
+        top_p: 0.9,
+        min_p: 0.0,
+        allowed: vocab,
+        seed,
+    };
+    let sample = |d: DeviceDraw| {
+        let mut s = gpu.fork(&base).unwrap();
+        gpu.decode_sample(&mut [&mut s], last, &[d]).unwrap()[0] as usize
+    };
+
+    let expected = filtered_probabilities(&logits, 0.8, 50, 0.9);
+    let draws = 8000;
+    let mut counts = vec![0usize; vocab];
+    for seed in 0..draws {
+        let id = sample(draw(seed, 50));
+        assert!(
+            expected[id] > 0.0,
+            "drew token {id}, which the filters drop"
+        );
+        counts[id] += 1;
+    }
+    let distance: f64 = counts
+        .iter()
+        .zip(&expected)
+        .map(|(&c, &p)| (c as f64 / draws as f64 - p).abs())
+        .sum::<f64>()
+        / 2.0;
+    println!("total variation distance over {draws} draws: {distance:.4}");
+    assert!(distance < 0.06, "total variation distance {distance}");
+
+    assert_eq!(
+        sample(draw(7, 50)),
+        sample(draw(7, 50)),
+        "same seed, same token"
+    );
+    assert_eq!(
+        sample(draw(3, 1)),
+        argmax(&logits) as usize,
+        "top-1 is the argmax"
+    );
 }

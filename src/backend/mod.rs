@@ -18,6 +18,23 @@ pub enum LogitsFor {
     All,
 }
 
+/// One sequence's draw for a backend that samples on its own: the filters a host
+/// [`crate::engine::sampler::Sampler`] applies when no penalties are set, and this step's seed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceDraw {
+    /// Above zero.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub min_p: f32,
+    /// Ids at or above this are never drawn (rows that pad the vocabulary).
+    pub allowed: usize,
+    pub seed: u64,
+}
+
 /// An executor of the model.
 pub trait Backend {
     /// Per-sequence state (caches).
@@ -42,6 +59,22 @@ pub trait Backend {
 
     /// Appends one token to each sequence and returns their next-token logits, `[batch, vocab]`.
     fn decode(&self, states: &mut [&mut Self::State], tokens: &[u32]) -> Result<Vec<f32>>;
+
+    /// Whether [`Backend::decode_sample`] works: the backend draws tokens itself.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+
+    /// Appends one token to each sequence and draws each one's next token as `draws` say, on
+    /// the backend itself, so logits never leave it (see [`Backend::samples_on_device`]).
+    fn decode_sample(
+        &self,
+        _states: &mut [&mut Self::State],
+        _tokens: &[u32],
+        _draws: &[DeviceDraw],
+    ) -> Result<Vec<u32>> {
+        anyhow::bail!("this backend does not draw tokens itself: sample from `decode`'s logits")
+    }
 
     /// Appends one token to each sequence and returns each one's most likely next token.
     /// Backends that can pick on the device override this so logits never leave it.

@@ -146,6 +146,9 @@ pub fn generate<B: Backend>(
         Sampler::new(params.sampling.clone(), prompt).map_err(|e| anyhow::anyhow!("{e}"))?;
     // Plain greedy decoding can pick on the device; anything else needs the logits here.
     let device_greedy = params.sampling.is_greedy();
+    // A backend that draws tokens itself does so when no penalty needs the history.
+    let device_draws = backend.samples_on_device() && params.sampling.is_drawable_anywhere();
+    let allowed = tokenizer.map_or(backend.config().vocab_size, Tokenizer::vocab_size);
     let mut output = Output::new(params, tokenizer);
     let mut state = backend.new_state()?;
 
@@ -165,6 +168,10 @@ pub fn generate<B: Backend>(
         }
         id = if device_greedy {
             backend.decode_greedy(&mut [&mut state], &[id])?[0]
+        } else if let Some(draw) = device_draws.then(|| sampler.device_draw(allowed)).flatten() {
+            let drawn = backend.decode_sample(&mut [&mut state], &[id], &[draw])?[0];
+            sampler.record(drawn);
+            drawn
         } else {
             let mut logits = backend.decode(&mut [&mut state], &[id])?;
             sampler.sample(&mut logits).token_id

@@ -7,6 +7,8 @@ use rand_chacha::ChaCha20Rng;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use serde::Deserialize;
 
+use crate::backend::DeviceDraw;
+
 /// Temperatures below this decode greedily, as in vLLM: dividing logits by a vanishing temperature
 /// overflows f32 to infinity (NaN after the softmax), and long before that the draw is the argmax
 /// unless logits tie to within float precision.
@@ -67,6 +69,15 @@ pub struct InvalidSamplingParam {
 }
 
 impl SamplingParams {
+    /// Whether a draw needs nothing but the logits and the filters (temperature above the greedy
+    /// threshold, no penalties), so a backend can make it without the history.
+    pub fn is_drawable_anywhere(&self) -> bool {
+        self.temperature >= MIN_SAMPLING_TEMPERATURE
+            && self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
+
     /// Whether the choice is always the plain argmax of the logits (no temperature, no
     /// penalties), which a backend can then make on its own without returning the logits.
     pub fn is_greedy(&self) -> bool {
@@ -189,9 +200,33 @@ impl Sampler {
         } else {
             self.draw(logits)
         };
-        self.seen.insert(sampled.token_id);
-        *self.generated_counts.entry(sampled.token_id).or_insert(0) += 1;
+        self.record(sampled.token_id);
         sampled
+    }
+
+    /// This step's draw for a backend that samples on its own (ids from `allowed` up excluded),
+    /// with a seed from this sampler's generator; `None` when the choice needs the host: greedy
+    /// decoding (the backend's argmax does that) or penalties, which depend on the history.
+    /// Record the token the backend chose with [`Sampler::record`].
+    pub fn device_draw(&mut self, allowed: usize) -> Option<DeviceDraw> {
+        let p = &self.params;
+        if !p.is_drawable_anywhere() {
+            return None;
+        }
+        Some(DeviceDraw {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            allowed,
+            seed: self.rng.next_u64(),
+        })
+    }
+
+    /// Records a token chosen elsewhere (by the backend) as generated.
+    pub fn record(&mut self, token_id: u32) {
+        self.seen.insert(token_id);
+        *self.generated_counts.entry(token_id).or_insert(0) += 1;
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {
@@ -444,6 +479,70 @@ mod tests {
     fn log_softmax(logits: &[f32], id: usize) -> f32 {
         let total: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
         (f64::from(logits[id]) - total.ln()) as f32
+    }
+
+    #[test]
+    fn device_draws_carry_the_filters_and_seeded_seeds() {
+        let params = SamplingParams {
+            top_k: 40,
+            top_p: 0.9,
+            min_p: 0.05,
+            ..seeded(0.8)
+        };
+        let draws = |params: &SamplingParams| -> Vec<DeviceDraw> {
+            let mut sampler = Sampler::new(params.clone(), &[1, 2]).unwrap();
+            (0..4).map(|_| sampler.device_draw(100).unwrap()).collect()
+        };
+        let first = draws(&params);
+        assert_eq!(first, draws(&params), "same seed, same draws");
+        let d = first[0];
+        assert_eq!(
+            (d.temperature, d.top_k, d.top_p, d.min_p, d.allowed),
+            (0.8, 40, 0.9, 0.05, 100)
+        );
+        assert!(first.windows(2).all(|w| w[0].seed != w[1].seed));
+        let other = draws(&SamplingParams {
+            seed: Some(8),
+            ..params.clone()
+        });
+        assert_ne!(first[0].seed, other[0].seed);
+    }
+
+    #[test]
+    fn greedy_or_penalised_sampling_is_not_drawn_elsewhere() {
+        for params in [
+            seeded(0.0),
+            SamplingParams {
+                repetition_penalty: 1.1,
+                ..seeded(1.0)
+            },
+            SamplingParams {
+                presence_penalty: 0.5,
+                ..seeded(1.0)
+            },
+            SamplingParams {
+                frequency_penalty: 0.5,
+                ..seeded(1.0)
+            },
+        ] {
+            assert!(!params.is_drawable_anywhere(), "{params:?}");
+            let mut sampler = Sampler::new(params, &[]).unwrap();
+            assert_eq!(sampler.device_draw(10), None);
+        }
+        assert!(seeded(1.0).is_drawable_anywhere());
+    }
+
+    #[test]
+    fn recorded_tokens_count_for_penalties() {
+        let params = SamplingParams {
+            frequency_penalty: 1.0,
+            ..seeded(0.0)
+        };
+        let mut sampler = Sampler::new(params, &[]).unwrap();
+        sampler.record(0);
+        // Token 0 led by 0.5 in logit; one recorded use costs it 1.0, so token 1 wins.
+        let mut logits = vec![1.0, 0.5, 0.0];
+        assert_eq!(sampler.sample(&mut logits).token_id, 1);
     }
 
     fn assert_close(actual: f32, expected: f32) {

@@ -21,7 +21,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use super::generate::{FinishReason, GenerationParams, Output};
 use super::sampler::{Sampler, TokenLogprob, top_logprobs};
-use crate::backend::{Backend, LogitsFor};
+use crate::backend::{Backend, DeviceDraw, LogitsFor};
 use crate::text::tokenizer::Tokenizer;
 
 /// Limits of the engine.
@@ -331,6 +331,9 @@ struct Sequence<'t, S> {
     logit_bias: Vec<(u32, f32)>,
     /// Plain argmax with nothing reported: the backend may pick the token itself.
     device_greedy: bool,
+    /// A draw without penalties, bias or reported logprobs: a backend that samples on its own
+    /// may draw the token itself.
+    device_sampled: bool,
     submitted: Instant,
     first_token_sent: bool,
     done: bool,
@@ -444,9 +447,11 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
         }
         let sampler = Sampler::new(request.params.sampling.clone(), &request.prompt)?;
-        let device_greedy = request.params.sampling.is_greedy()
-            && request.logprobs.is_none()
-            && request.logit_bias.is_empty();
+        let reports_nothing = request.logprobs.is_none() && request.logit_bias.is_empty();
+        let device_greedy = request.params.sampling.is_greedy() && reports_nothing;
+        let device_sampled = self.backend.samples_on_device()
+            && request.params.sampling.is_drawable_anywhere()
+            && reports_nothing;
         Ok(Sequence {
             state: self.backend.new_state()?,
             prompt: request.prompt,
@@ -458,6 +463,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             logprobs: request.logprobs,
             logit_bias: request.logit_bias,
             device_greedy,
+            device_sampled,
             submitted,
             first_token_sent: false,
             done: false,
@@ -512,18 +518,41 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         }
         let tokens: Vec<u32> = batch.iter().filter_map(|s| s.next_token).collect();
         let device_greedy = batch.iter().all(|s| s.device_greedy);
+        let device_sampled = batch.iter().all(|s| s.device_greedy || s.device_sampled);
+        // Greedy sequences in a sampled batch take the one token a top-1 filter leaves; padding
+        // rows past the tokenizer's vocabulary are never drawn.
+        let allowed = self
+            .tokenizer
+            .map_or(self.backend.config().vocab_size, |t| t.vocab_size());
         let start = Instant::now();
-        let result = {
+        let result = if device_greedy {
             let mut states: Vec<&mut B::State> = batch.iter_mut().map(|s| &mut s.state).collect();
-            if device_greedy {
-                self.backend
-                    .decode_greedy(&mut states, &tokens)
-                    .map(Chosen::Ids)
-            } else {
-                self.backend
-                    .decode(&mut states, &tokens)
-                    .map(Chosen::Logits)
-            }
+            self.backend
+                .decode_greedy(&mut states, &tokens)
+                .map(Chosen::Ids)
+        } else if device_sampled {
+            let draws: Vec<DeviceDraw> = batch
+                .iter_mut()
+                .map(|s| {
+                    s.sampler.device_draw(allowed).unwrap_or(DeviceDraw {
+                        temperature: 1.0,
+                        top_k: 1,
+                        top_p: 1.0,
+                        min_p: 0.0,
+                        allowed,
+                        seed: 0,
+                    })
+                })
+                .collect();
+            let mut states: Vec<&mut B::State> = batch.iter_mut().map(|s| &mut s.state).collect();
+            self.backend
+                .decode_sample(&mut states, &tokens, &draws)
+                .map(Chosen::Drawn)
+        } else {
+            let mut states: Vec<&mut B::State> = batch.iter_mut().map(|s| &mut s.state).collect();
+            self.backend
+                .decode(&mut states, &tokens)
+                .map(Chosen::Logits)
         };
         metrics
             .decode_micros
@@ -535,6 +564,12 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         match result {
             Ok(Chosen::Ids(ids)) => {
                 for (s, id) in batch.into_iter().zip(ids) {
+                    emit(s, (id, None), metrics);
+                }
+            }
+            Ok(Chosen::Drawn(ids)) => {
+                for (s, id) in batch.into_iter().zip(ids) {
+                    s.sampler.record(id);
                     emit(s, (id, None), metrics);
                 }
             }
@@ -564,7 +599,10 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
 }
 
 enum Chosen {
+    /// The backend's argmax.
     Ids(Vec<u32>),
+    /// The backend's draws (the samplers record them).
+    Drawn(Vec<u32>),
     Logits(Vec<f32>),
 }
 

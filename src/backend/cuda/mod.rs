@@ -28,7 +28,7 @@ use cudarc::driver::{
 };
 
 use self::weights::{DeviceMixer, DeviceModel, DeviceWeight, WeightFormat, ptr};
-use super::{Backend, LogitsFor};
+use super::{Backend, DeviceDraw, LogitsFor};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
 
@@ -46,6 +46,8 @@ const ATTENTION_SPLITS: usize = 128;
 const ATTENTION_THREADS: u32 = 256;
 /// Dynamic shared memory the staging kernels may use.
 const MAX_DYNAMIC_SHARED_BYTES: usize = 200 * 1024;
+/// Threads of the one `sample_token` block (SAMPLE_THREADS in sample.cu).
+const SAMPLE_THREADS: u32 = 1024;
 /// Blocks of the first argmax pass.
 const ARGMAX_BLOCKS: usize = 256;
 
@@ -134,6 +136,7 @@ struct Kernels {
     moe_down: CudaFunction,
     argmax_partial: CudaFunction,
     argmax_final: CudaFunction,
+    sample_token: CudaFunction,
     advance_position: CudaFunction,
 }
 
@@ -170,17 +173,46 @@ struct Slot {
     /// Per DeltaNet layer: conv input ring `[kernel, conv_dim]` and recurrent state.
     conv: Vec<CudaSlice<f32>>,
     recurrent: Vec<CudaSlice<f32>>,
+    /// Sampling settings and seed of the next sampled step (`struct SamplingDesc` in sample.cu).
+    sampling: CudaSlice<SamplingDesc>,
     greedy_graph: Option<Graph>,
+    sampled_graph: Option<Graph>,
     logits_graph: Option<Graph>,
 }
 
+/// How a decode step ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StepEnd {
+    /// The argmax becomes the next input token on the device.
+    Greedy,
+    /// A draw with the slot's sampling settings becomes the next input token on the device.
+    Sampled,
+    /// The logits are left for the host to read.
+    Logits,
+}
+
+/// `struct SamplingDesc` in sample.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct SamplingDesc {
+    temperature: f32,
+    top_k: i32,
+    top_p: f32,
+    min_p: f32,
+    allowed: i32,
+    seed: u64,
+}
+
+// SAFETY: plain old data with the layout of `struct SamplingDesc` in sample.cu.
+unsafe impl DeviceRepr for SamplingDesc {}
+
 impl Slot {
-    /// The captured step that ends in an on-device argmax (`greedy`) or in logits.
-    fn graph(&mut self, greedy: bool) -> &mut Option<Graph> {
-        if greedy {
-            &mut self.greedy_graph
-        } else {
-            &mut self.logits_graph
+    /// The captured step that ends as `end` says.
+    fn graph(&mut self, end: StepEnd) -> &mut Option<Graph> {
+        match end {
+            StepEnd::Greedy => &mut self.greedy_graph,
+            StepEnd::Sampled => &mut self.sampled_graph,
+            StepEnd::Logits => &mut self.logits_graph,
         }
     }
 }
@@ -282,6 +314,7 @@ impl CudaBackend {
             moe_down: get("moe_down")?,
             argmax_partial: get("argmax_partial")?,
             argmax_final: get("argmax_final")?,
+            sample_token: get("sample_token")?,
             advance_position: get("advance_position")?,
         };
         // Kernels that stage inputs in dynamic shared memory may use more than the default 48 KB.
@@ -404,7 +437,9 @@ impl CudaBackend {
             kv: Vec::new(),
             conv: Vec::new(),
             recurrent: Vec::new(),
+            sampling: stream.clone_htod(&[SamplingDesc::default()])?,
             greedy_graph: None,
+            sampled_graph: None,
             logits_graph: None,
         };
         for kind in &c.layer_kinds {
@@ -599,7 +634,7 @@ impl CudaBackend {
     }
 
     /// Issues one decode step for `slot` on the stream (for capture into a graph).
-    fn record_step(&self, slot: &Slot, greedy: bool) -> Result<()> {
+    fn record_step(&self, slot: &Slot, end: StepEnd) -> Result<()> {
         let (c, s, sc, m) = (&self.config, &self.stream, &self.scratch, &self.model);
         let p = |x: &CudaSlice<f32>| ptr(x, s);
         let (x, proj, core) = (p(&sc.x), p(&sc.proj), p(&sc.core));
@@ -758,38 +793,59 @@ impl CudaBackend {
         }
         let logits = p(&sc.logits);
         self.matvec(&m.lm_head, x, Some(p(&m.final_norm)), logits, false)?;
-        if greedy {
-            let (av, ai) = (p(&sc.arg_val), ptr(&sc.arg_idx, s));
-            let n = c.vocab_size as i32;
-            // SAFETY: partial buffers hold ARGMAX_BLOCKS entries.
-            unsafe {
-                self.launch(
-                    "argmax_partial",
-                    &self.k.argmax_partial,
-                    cfg(ARGMAX_BLOCKS as u32, 1, 256, 0),
-                    &mut [arg(&logits), arg(&n), arg(&av), arg(&ai)],
-                )
-            }?;
-            let parts = ARGMAX_BLOCKS as i32;
-            // SAFETY: one warp over the partials.
-            unsafe {
-                self.launch(
-                    "argmax_final",
-                    &self.k.argmax_final,
-                    cfg(1, 1, 32, 0),
-                    &mut [arg(&av), arg(&ai), arg(&parts), arg(&token), arg(&position)],
-                )
-            }?;
-        } else {
-            // SAFETY: one thread increments the slot's position.
-            unsafe {
-                self.launch(
-                    "advance_position",
-                    &self.k.advance_position,
-                    cfg(1, 1, 1, 0),
-                    &mut [arg(&position)],
-                )
-            }?;
+        let n = c.vocab_size as i32;
+        match end {
+            StepEnd::Greedy => {
+                let (av, ai) = (p(&sc.arg_val), ptr(&sc.arg_idx, s));
+                // SAFETY: partial buffers hold ARGMAX_BLOCKS entries.
+                unsafe {
+                    self.launch(
+                        "argmax_partial",
+                        &self.k.argmax_partial,
+                        cfg(ARGMAX_BLOCKS as u32, 1, 256, 0),
+                        &mut [arg(&logits), arg(&n), arg(&av), arg(&ai)],
+                    )
+                }?;
+                let parts = ARGMAX_BLOCKS as i32;
+                // SAFETY: one warp over the partials.
+                unsafe {
+                    self.launch(
+                        "argmax_final",
+                        &self.k.argmax_final,
+                        cfg(1, 1, 32, 0),
+                        &mut [arg(&av), arg(&ai), arg(&parts), arg(&token), arg(&position)],
+                    )
+                }?;
+            }
+            StepEnd::Sampled => {
+                let desc = ptr(&slot.sampling, s);
+                // SAFETY: one block over the vocabulary's logits; desc is the slot's settings.
+                unsafe {
+                    self.launch(
+                        "sample_token",
+                        &self.k.sample_token,
+                        cfg(1, 1, SAMPLE_THREADS, 0),
+                        &mut [
+                            arg(&logits),
+                            arg(&n),
+                            arg(&desc),
+                            arg(&token),
+                            arg(&position),
+                        ],
+                    )
+                }?;
+            }
+            StepEnd::Logits => {
+                // SAFETY: one thread increments the slot's position.
+                unsafe {
+                    self.launch(
+                        "advance_position",
+                        &self.k.advance_position,
+                        cfg(1, 1, 1, 0),
+                        &mut [arg(&position)],
+                    )
+                }?;
+            }
         }
         Ok(())
     }
@@ -870,7 +926,7 @@ impl CudaBackend {
     }
 
     /// Runs one decode step for the state's slot (capturing its graph on first use).
-    fn step(&self, state: &mut CudaState, token: u32, greedy: bool) -> Result<()> {
+    fn step(&self, state: &mut CudaState, token: u32, end: StepEnd) -> Result<()> {
         ensure!(
             (token as usize) < self.config.vocab_size,
             "token id {token} is outside the vocabulary (size {})",
@@ -891,26 +947,37 @@ impl CudaBackend {
             self.stream.memcpy_htod(&[token as i32], &mut slot.token)?;
         }
         if self.use_graphs {
-            if slot.graph(greedy).is_none() {
+            if slot.graph(end).is_none() {
                 self.stream
                     .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                let recorded = self.record_step(slot, greedy);
+                let recorded = self.record_step(slot, end);
                 let captured = self.stream.end_capture(
                     CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
                 )?;
                 recorded?;
                 let captured = captured.context("capturing the decode step produced no graph")?;
-                *slot.graph(greedy) = Some(Graph(captured));
+                *slot.graph(end) = Some(Graph(captured));
             }
-            if let Some(graph) = slot.graph(greedy) {
+            if let Some(graph) = slot.graph(end) {
                 graph.0.launch()?;
             }
         } else {
-            self.record_step(slot, greedy)?;
+            self.record_step(slot, end)?;
         }
         state.position += 1;
         state.device_token = None;
         Ok(())
+    }
+
+    /// The token the last step chose on the device (it stays there as the next input).
+    fn read_token(&self, state: &mut CudaState) -> Result<u32> {
+        let slots = self
+            .slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let id = self.stream.clone_dtoh(&slots[state.slot].token)?[0] as u32;
+        state.device_token = Some(id);
+        Ok(id)
     }
 
     /// Copies the logits of the last step to the host.
@@ -926,14 +993,57 @@ impl Backend for CudaBackend {
     fn decode_greedy(&self, states: &mut [&mut CudaState], tokens: &[u32]) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(states.len());
         for (state, &t) in states.iter_mut().zip(tokens) {
-            self.step(state, t, true)?;
-            let slots = self
-                .slots
-                .lock()
-                .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
-            let id = self.stream.clone_dtoh(&slots[state.slot].token)?[0] as u32;
-            state.device_token = Some(id);
-            out.push(id);
+            self.step(state, t, StepEnd::Greedy)?;
+            out.push(self.read_token(state)?);
+        }
+        Ok(out)
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    /// Sampled decode with the draw on the device (`sample_token` in sample.cu): only the chosen
+    /// ids come back.
+    fn decode_sample(
+        &self,
+        states: &mut [&mut CudaState],
+        tokens: &[u32],
+        draws: &[DeviceDraw],
+    ) -> Result<Vec<u32>> {
+        ensure!(
+            states.len() == tokens.len() && states.len() == draws.len(),
+            "decode_sample got {} sequences, {} tokens and {} draws",
+            states.len(),
+            tokens.len(),
+            draws.len()
+        );
+        let mut out = Vec::with_capacity(states.len());
+        for ((state, &t), draw) in states.iter_mut().zip(tokens).zip(draws) {
+            ensure!(
+                draw.temperature.is_finite() && draw.temperature > 0.0,
+                "device sampling needs a positive temperature, not {}",
+                draw.temperature
+            );
+            let desc = SamplingDesc {
+                temperature: draw.temperature,
+                top_k: i32::try_from(draw.top_k).unwrap_or(0),
+                top_p: draw.top_p,
+                min_p: draw.min_p,
+                allowed: i32::try_from(draw.allowed.min(self.config.vocab_size))
+                    .unwrap_or(i32::MAX),
+                seed: draw.seed,
+            };
+            {
+                let mut slots = self
+                    .slots
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+                self.stream
+                    .memcpy_htod(&[desc], &mut slots[state.slot].sampling)?;
+            }
+            self.step(state, t, StepEnd::Sampled)?;
+            out.push(self.read_token(state)?);
         }
         Ok(out)
     }
@@ -999,7 +1109,7 @@ impl Backend for CudaBackend {
         ensure!(!tokens.is_empty(), "prefill needs at least one token");
         let mut out = Vec::new();
         for (i, &t) in tokens.iter().enumerate() {
-            self.step(state, t, false)?;
+            self.step(state, t, StepEnd::Logits)?;
             if which == LogitsFor::All || i + 1 == tokens.len() {
                 out.extend(self.read_logits()?);
             }
@@ -1016,7 +1126,7 @@ impl Backend for CudaBackend {
         );
         let mut out = Vec::with_capacity(states.len() * self.config.vocab_size);
         for (state, &t) in states.iter_mut().zip(tokens) {
-            self.step(state, t, false)?;
+            self.step(state, t, StepEnd::Logits)?;
             out.extend(self.read_logits()?);
         }
         Ok(out)
@@ -1063,7 +1173,12 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
         "deltanet" => &["deltanet_step"],
         "attention" => &["attention_prepare", "attention_split", "attention_combine"],
         "moe" => &["moe_gate_up", "moe_down"],
-        "sample" => &["argmax_partial", "argmax_final", "advance_position"],
+        "sample" => &[
+            "argmax_partial",
+            "argmax_final",
+            "sample_token",
+            "advance_position",
+        ],
         "fill" => &["fill_bf16", "fill_u32"],
         _ => &[],
     }
