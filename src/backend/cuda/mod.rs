@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Context, Result, bail, ensure};
 use cudarc::driver::sys::{
     CUfunction_attribute, CUgraphInstantiate_flags, CUlaunchAttribute, CUlaunchAttributeID,
-    CUlaunchAttributeValue, CUlaunchConfig, CUstreamCaptureMode,
+    CUlaunchAttributeValue, CUlaunchAttributeValue_union__bindgen_ty_1, CUlaunchConfig,
+    CUstreamCaptureMode,
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
@@ -39,7 +40,7 @@ const MATVEC_BLOCKS_PER_SM: usize = 2;
 /// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
-const DOWN_ROWS_PER_WARP: usize = 1;
+const DOWN_ROWS_PER_WARP: usize = 2;
 /// Most context splits of attention decode (flash-decoding); a split covers at least 64 positions.
 const ATTENTION_SPLITS: usize = 128;
 /// Threads of an `attention_split` block.
@@ -59,7 +60,35 @@ struct DeltaNetDims {
     key_dim: i32,
     value_dim: i32,
     kernel: i32,
+    splits: i32,
     eps: f32,
+}
+
+/// How `deltanet_step` spreads a head's [key_dim, value_dim] state: a cluster of `splits` blocks
+/// owning value_dim / splits columns each, `threads` threads per block that each own a slice of
+/// one column's rows (at most 16, the kernel's MAX_ROWS_PER_THREAD).
+struct DeltaNetShape {
+    splits: usize,
+    threads: usize,
+    smem: usize,
+}
+
+impl DeltaNetShape {
+    fn of(c: &ModelConfig) -> Option<Self> {
+        let (kd, vd) = (c.linear_key_head_dim, c.linear_value_head_dim);
+        let splits = [4, 2, 1]
+            .into_iter()
+            .find(|&s| vd.is_multiple_of(s) && (vd / s >= 8 || s == 1))?;
+        let cols = vd / splits;
+        let rows = (kd * cols / 256).max(1);
+        let threads = cols * kd / rows;
+        let fits = kd.is_multiple_of(rows) && rows <= 16 && threads <= 256;
+        (fits && threads.is_multiple_of(32)).then_some(Self {
+            splits,
+            threads,
+            smem: (2 * kd + cols + threads + 32) * 4,
+        })
+    }
 }
 
 #[repr(C)]
@@ -132,6 +161,7 @@ struct Kernels {
     attention_prepare: CudaFunction,
     attention_split: CudaFunction,
     attention_combine: CudaFunction,
+    moe_router_shared: CudaFunction,
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
     argmax_partial: CudaFunction,
@@ -310,6 +340,7 @@ impl CudaBackend {
             attention_prepare: get("attention_prepare")?,
             attention_split: get("attention_split")?,
             attention_combine: get("attention_combine")?,
+            moe_router_shared: get("moe_router_shared")?,
             moe_gate_up: get("moe_gate_up")?,
             moe_down: get("moe_down")?,
             argmax_partial: get("argmax_partial")?,
@@ -318,7 +349,13 @@ impl CudaBackend {
             advance_position: get("advance_position")?,
         };
         // Kernels that stage inputs in dynamic shared memory may use more than the default 48 KB.
-        for f in [&k.matvec, &k.moe_gate_up, &k.moe_down, &k.deltanet_step] {
+        for f in [
+            &k.matvec,
+            &k.moe_router_shared,
+            &k.moe_gate_up,
+            &k.moe_down,
+            &k.deltanet_step,
+        ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 MAX_DYNAMIC_SHARED_BYTES as i32,
@@ -350,8 +387,7 @@ impl CudaBackend {
             c.head_dim
         );
         ensure!(
-            c.linear_value_head_dim * (c.linear_key_head_dim / 32).max(1) <= 512
-                && (c.linear_key_head_dim <= 32 || c.linear_key_head_dim.is_multiple_of(32)),
+            DeltaNetShape::of(c).is_some(),
             "DeltaNet head dims {}x{} unsupported by the CUDA kernels",
             c.linear_key_head_dim,
             c.linear_value_head_dim
@@ -374,12 +410,12 @@ impl CudaBackend {
         .into_iter()
         .max()
         .unwrap_or(0);
-        let inter_width = c
-            .moe_intermediate_size
-            .max(c.shared_expert_intermediate_size);
         ensure!(
             staged_bytes(&[widest]) as usize <= MAX_DYNAMIC_SHARED_BYTES
-                && staged_bytes(&vec![inter_width; c.num_experts_per_tok + 1]) as usize
+                && staged_bytes(&[
+                    c.moe_intermediate_size * c.num_experts_per_tok,
+                    c.shared_expert_intermediate_size,
+                ]) as usize
                     <= MAX_DYNAMIC_SHARED_BYTES,
             "layer widths too large for the CUDA kernels' shared-memory staging"
         );
@@ -601,13 +637,43 @@ impl CudaBackend {
         cfg: LaunchConfig,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        let mut attribute = CUlaunchAttribute {
-            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
+        // SAFETY: as for this function.
+        unsafe { self.launch_clusters(name, kernel, cfg, 1, params) }
+    }
+
+    /// `launch`, with the grid's blocks in clusters of `cluster` consecutive blocks along x
+    /// (1: no clusters), which may share their shared memory.
+    ///
+    /// # Safety
+    /// As for `launch`; the grid's x dimension must be a multiple of `cluster`.
+    unsafe fn launch_clusters(
+        &self,
+        name: &str,
+        kernel: &CudaFunction,
+        cfg: LaunchConfig,
+        cluster: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let mut attributes = [
+            CUlaunchAttribute {
+                id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
             },
-        };
+            CUlaunchAttribute {
+                id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value: CUlaunchAttributeValue {
+                    clusterDim: CUlaunchAttributeValue_union__bindgen_ty_1 {
+                        x: cluster,
+                        y: 1,
+                        z: 1,
+                    },
+                },
+            },
+        ];
         let config = CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -617,10 +683,10 @@ impl CudaBackend {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: 1,
+            attrs: attributes.as_mut_ptr(),
+            numAttrs: if cluster > 1 { 2 } else { 1 },
         };
-        // SAFETY: the caller vouches for the parameters; config and attribute outlive the call.
+        // SAFETY: the caller vouches for the parameters; config and attributes outlive the call.
         unsafe {
             cudarc::driver::sys::cuLaunchKernelEx(
                 &config,
@@ -653,16 +719,16 @@ impl CudaBackend {
             )
         }?;
 
+        let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
         let gdn_dims = DeltaNetDims {
             key_heads: c.linear_num_key_heads as i32,
             value_heads: c.linear_num_value_heads as i32,
             key_dim: c.linear_key_head_dim as i32,
             value_dim: c.linear_value_head_dim as i32,
             kernel: c.linear_conv_kernel_dim as i32,
+            splits: gdn.splits as i32,
             eps,
         };
-        let gdn_threads = c.linear_value_head_dim * (c.linear_key_head_dim / 32).max(1);
-        let gdn_smem = (2 * c.linear_key_head_dim + c.linear_value_head_dim + gdn_threads + 32) * 4;
         let attn_dims = AttentionDims {
             heads: c.num_attention_heads as i32,
             kv_heads: c.num_key_value_heads as i32,
@@ -688,17 +754,18 @@ impl CudaBackend {
                     self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false)?;
                     let (conv, rec) = (p(&slot.conv[gdn_i]), p(&slot.recurrent[gdn_i]));
                     let (cw, al, dtb, nw) = (p(conv_w), p(a_log), p(dt_bias), p(norm));
-                    // SAFETY: shapes checked at construction.
+                    // SAFETY: shapes checked at construction; the grid is whole clusters.
                     unsafe {
-                        self.launch(
+                        self.launch_clusters(
                             "deltanet_step",
                             &self.k.deltanet_step,
                             cfg(
-                                c.linear_num_value_heads as u32,
+                                (c.linear_num_value_heads * gdn.splits) as u32,
                                 1,
-                                gdn_threads as u32,
-                                gdn_smem as u32,
+                                gdn.threads as u32,
+                                gdn.smem as u32,
                             ),
+                            gdn.splits as u32,
                             &mut [
                                 arg(&gdn_dims),
                                 arg(&proj),
@@ -855,7 +922,6 @@ impl CudaBackend {
         let (c, s, sc) = (&self.config, &self.stream, &self.scratch);
         let router = ptr(&sc.router_logits, s);
         let post = ptr(&layer.post_norm, s);
-        self.matvec(&layer.router, x, Some(post), router, false)?;
         let dims = MoeDims {
             experts: c.num_experts as i32,
             top_k: c.num_experts_per_tok as i32,
@@ -865,31 +931,50 @@ impl CudaBackend {
             eps: c.rms_norm_eps,
         };
         let (act, ids, weights) = (ptr(&sc.act, s), ptr(&sc.ids, s), ptr(&sc.weights, s));
-        let (g, u, sg, su) = (
+        let (r, g, u, sg, su) = (
+            layer.router.desc(s),
             layer.gate.desc(s),
             layer.up.desc(s),
             layer.shared_gate.desc(s),
             layer.shared_up.desc(s),
         );
-        let inter = c
-            .moe_intermediate_size
-            .max(c.shared_expert_intermediate_size);
         let smem = staged_bytes(&[c.hidden_size]);
-        let row_blocks =
-            inter.div_ceil(MATVEC_THREADS as usize / 32 * GATE_UP_ROWS_PER_WARP) as u32;
-        let slots = c.num_experts_per_tok + 1;
-        // SAFETY: act holds (top_k + 1) * inter floats.
+        let warps = MATVEC_THREADS as usize / 32;
+        let gate_up_blocks = |rows: usize| rows.div_ceil(warps * GATE_UP_ROWS_PER_WARP);
+        let blocks = layer
+            .router
+            .rows
+            .div_ceil(warps)
+            .max(gate_up_blocks(c.shared_expert_intermediate_size)) as u32;
+        // SAFETY: router_logits holds experts + 1 floats, act (top_k + 1) * inter floats.
+        unsafe {
+            self.launch(
+                "moe_router_shared",
+                &self.k.moe_router_shared,
+                cfg(blocks, 2, MATVEC_THREADS, smem),
+                &mut [
+                    arg(&dims),
+                    arg(&r),
+                    arg(&sg),
+                    arg(&su),
+                    arg(&x),
+                    arg(&post),
+                    arg(&router),
+                    arg(&act),
+                ],
+            )
+        }?;
+        let blocks = gate_up_blocks(c.moe_intermediate_size) as u32;
+        // SAFETY: as above; ids and weights hold top_k + 1 entries.
         unsafe {
             self.launch(
                 "moe_gate_up",
                 &self.k.moe_gate_up,
-                cfg(row_blocks, slots as u32, MATVEC_THREADS, smem),
+                cfg(blocks, c.num_experts_per_tok as u32, MATVEC_THREADS, smem),
                 &mut [
                     arg(&dims),
                     arg(&g),
                     arg(&u),
-                    arg(&sg),
-                    arg(&su),
                     arg(&x),
                     arg(&post),
                     arg(&router),
@@ -901,7 +986,10 @@ impl CudaBackend {
         }?;
 
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        let smem = staged_bytes(&vec![inter; slots]);
+        let smem = staged_bytes(&[
+            c.moe_intermediate_size * c.num_experts_per_tok,
+            c.shared_expert_intermediate_size,
+        ]);
         let blocks =
             c.hidden_size
                 .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
@@ -1157,13 +1245,13 @@ fn arg<T>(value: &T) -> *mut c_void {
 }
 
 /// Dynamic shared memory of a kernel that stages inputs of the given widths (`staged_floats` in
-/// rowdot.cuh: the input, then chunk sums), after 32 floats of reduction scratch.
+/// rowdot.cuh: the input, chunk sums and a scale), after 64 floats of reduction scratch.
 fn staged_bytes(widths: &[usize]) -> u32 {
     let floats: usize = widths
         .iter()
-        .map(|&c| c + (c / 8).next_multiple_of(4))
+        .map(|&c| c + (c / 8 + 4).next_multiple_of(4))
         .sum();
-    ((32 + floats) * 4) as u32
+    ((64 + floats) * 4) as u32
 }
 
 /// The `extern "C"` kernels each module defines.
@@ -1172,7 +1260,7 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
         "matvec" => &["matvec", "embed"],
         "deltanet" => &["deltanet_step"],
         "attention" => &["attention_prepare", "attention_split", "attention_combine"],
-        "moe" => &["moe_gate_up", "moe_down"],
+        "moe" => &["moe_router_shared", "moe_gate_up", "moe_down"],
         "sample" => &[
             "argmax_partial",
             "argmax_final",

@@ -38,7 +38,7 @@ pub struct WeightDesc {
     rows: i32,
     cols: i32,
     bits: i32,
-    group: i32,
+    group_shift: i32,
 }
 
 // SAFETY: plain old data with the layout of `struct Weight` in common.cuh.
@@ -116,9 +116,12 @@ impl DeviceWeight {
         cols: usize,
     ) -> Result<Self> {
         let spec = parts[0].spec;
-        // The kernels read 16-byte chunks that must not straddle a group.
+        // The kernels read 16-byte chunks that must not straddle a group, and find a value's
+        // group with a shift.
         ensure!(
-            (spec.bits == 4 || spec.bits == 8) && spec.group_size >= 128 / spec.bits as usize,
+            (spec.bits == 4 || spec.bits == 8)
+                && spec.group_size >= 128 / spec.bits as usize
+                && spec.group_size.is_power_of_two(),
             "{}-bit quantisation with group size {} is not supported on the GPU",
             spec.bits,
             spec.group_size
@@ -159,7 +162,12 @@ impl DeviceWeight {
             rows: self.rows as i32,
             cols: self.cols as i32,
             bits: self.bits as i32,
-            group: self.group as i32,
+            // Quantised groups are powers of two (checked at upload); bf16 has none.
+            group_shift: if self.bits == 16 {
+                0
+            } else {
+                self.group.trailing_zeros() as i32
+            },
         }
     }
 

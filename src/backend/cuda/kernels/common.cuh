@@ -14,7 +14,7 @@ typedef __nv_bfloat16 bf16;
 
 // A weight matrix [rows, cols] on the device: dense bf16 (bits == 16) or MLX affine-quantised
 // (bits 4 or 8: `data` holds uint32 words, 32/bits values each, first value in the low bits;
-// one bf16 scale and bias per `group` consecutive inputs of a row; value = scale * q + bias).
+// one bf16 scale and bias per 2^group_shift consecutive inputs of a row; value = scale * q + bias).
 struct Weight {
     const void* data;
     const bf16* scales;
@@ -22,7 +22,7 @@ struct Weight {
     int rows;
     int cols;
     int bits;
-    int group;
+    int group_shift;
 };
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t v) {

@@ -1,36 +1,57 @@
-// One fused Gated DeltaNet decode step per value head: causal conv (ring-buffered history),
-// SiLU, L2 norms, gates, the fp32 recurrent delta-rule update and the gated RMSNorm.
+// One fused Gated DeltaNet decode step: causal conv (ring-buffered history), SiLU, L2 norms,
+// gates, the fp32 recurrent delta-rule update and the gated RMSNorm.
+//
+// The update is independent per column of a head's [key_dim, value_dim] state, so each head is
+// split over a cluster of `splits` blocks that own value_dim / splits columns each: 4x the blocks
+// (and bytes in flight) of one block per head. Only the gated RMSNorm spans the head's columns;
+// the blocks of a cluster exchange their partial sums of squares through distributed shared
+// memory.
 //
 // The conv history is a ring of `kernel` slots indexed by position: this step writes slot
-// pos % kernel and reads the other kernel - 1 slots, so blocks sharing a key head never race.
+// pos % kernel and reads the other kernel - 1 slots, so blocks sharing a channel never race.
 
-#define MAX_ROWS_PER_THREAD 32
+#define MAX_ROWS_PER_THREAD 16
 
 struct DeltaNetDims {
-    int key_heads, value_heads, key_dim, value_dim, kernel;
+    int key_heads, value_heads, key_dim, value_dim, kernel, splits;
     float eps;
 };
 
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The float at `local` (a shared-memory variable of this block) in block `rank` of the cluster.
+__device__ __forceinline__ float cluster_load(const float* local, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
 // proj: [conv_dim (q|k|v) | z (value_heads*value_dim) | b (value_heads) | a (value_heads)].
 // conv_ring: [kernel, conv_dim]; conv_w: [conv_dim, kernel]; state: [value_heads, key_dim, value_dim].
-// Launch: one block per value head, value_dim * groups threads, groups = max(1, key_dim / 32).
-extern "C" __global__ void __launch_bounds__(512) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring, const float* conv_w,
-                                         const float* a_log, const float* dt_bias, const float* norm_w,
-                                         float* state, const int* position, float* out) {
+// Launch: value_heads * splits blocks in clusters of `splits`; cols = value_dim / splits columns
+// per block, cols * groups threads, each owning key_dim / groups state rows of one column.
+// Shared memory: (2 * key_dim + cols + threads + 32) floats.
+extern "C" __global__ void __launch_bounds__(256, 2) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring,
+                                                              const float* conv_w, const float* a_log,
+                                                              const float* dt_bias, const float* norm_w, float* state,
+                                                              const int* position, float* out) {
     extern __shared__ float smem[];
-    const int h = blockIdx.x;
+    __shared__ float partial_sq;
+    const int h = blockIdx.x / d.splits, part = blockIdx.x % d.splits;
     const int ratio = d.value_heads / d.key_heads;
     const int kh = h / ratio;
     const int key_width = d.key_heads * d.key_dim;
     const int conv_dim = 2 * key_width + d.value_heads * d.value_dim;
-    const int pos = position[0];
-    const int slot = pos % d.kernel;
+    const int cols = d.value_dim / d.splits, col0 = part * cols;
 
     // The recurrent state does not depend on this step's inputs: its loads go out first.
-    // Thread (dv, grp) owns state rows grp, grp + groups, ... of column dv.
-    const int groups = blockDim.x / d.value_dim;
-    const int dv = threadIdx.x % d.value_dim;
-    const int grp = threadIdx.x / d.value_dim;
+    // Thread (c, grp) owns state rows grp, grp + groups, ... of column col0 + c.
+    const int groups = blockDim.x / cols;
+    const int c = threadIdx.x % cols, grp = threadIdx.x / cols, dv = col0 + c;
     const int rows = d.key_dim / groups;
     float* S = state + (size_t)h * d.key_dim * d.value_dim;
     float s[MAX_ROWS_PER_THREAD];
@@ -39,32 +60,34 @@ extern "C" __global__ void __launch_bounds__(512) deltanet_step(DeltaNetDims d, 
         if (i < rows) s[i] = S[(grp + i * groups) * d.value_dim + dv];
     // The state was last written by this layer's step of the previous token, long finished.
     wait_for_previous_kernel();
+    const int pos = position[0];
+    const int slot = pos % d.kernel;
 
     float* q = smem;                 // [key_dim]
     float* k = q + d.key_dim;        // [key_dim]
-    float* v = k + d.key_dim;        // [value_dim]
-    float* red = v + d.value_dim;    // [groups, value_dim]
+    float* v = k + d.key_dim;        // [cols]
+    float* red = v + cols;           // [groups, cols]
     float* scratch = red + blockDim.x;  // [32]
 
-    // Causal conv + SiLU over the channels this head reads: its key head's q and k, its v.
-    const int nq = d.key_dim, nv = d.value_dim;
-    for (int i = threadIdx.x; i < 2 * nq + nv; i += blockDim.x) {
+    // Causal conv + SiLU over the channels this block reads: its key head's q and k, its v columns.
+    const int nq = d.key_dim;
+    for (int i = threadIdx.x; i < 2 * nq + cols; i += blockDim.x) {
         int ch;
         float* dst;
         if (i < nq) { ch = kh * d.key_dim + i; dst = q + i; }
         else if (i < 2 * nq) { ch = key_width + kh * d.key_dim + (i - nq); dst = k + (i - nq); }
-        else { ch = 2 * key_width + h * d.value_dim + (i - 2 * nq); dst = v + (i - 2 * nq); }
+        else { ch = 2 * key_width + h * d.value_dim + col0 + (i - 2 * nq); dst = v + (i - 2 * nq); }
         const float cur = proj[ch];
         float acc = conv_w[ch * d.kernel + d.kernel - 1] * cur;
         for (int j = 1; j < d.kernel; ++j) {
             // Tap kernel-1-j reads the input j steps back.
-            const int s = (pos - j + d.kernel * 4) % d.kernel;
-            const float past = pos - j >= 0 ? conv_ring[s * conv_dim + ch] : 0.0f;
+            const int r = (pos - j + d.kernel * 4) % d.kernel;
+            const float past = pos - j >= 0 ? conv_ring[r * conv_dim + ch] : 0.0f;
             acc += conv_w[ch * d.kernel + d.kernel - 1 - j] * past;
         }
         *dst = silu(acc);
-        // q/k channels are shared by `ratio` value heads: the first of them records the input.
-        const bool owner = i >= 2 * nq || h % ratio == 0;
+        // q/k channels are read by every block of `ratio` value heads: the first one records them.
+        const bool owner = i >= 2 * nq || (h % ratio == 0 && part == 0);
         if (owner) conv_ring[slot * conv_dim + ch] = cur;
     }
     __syncthreads();
@@ -98,8 +121,8 @@ extern "C" __global__ void __launch_bounds__(512) deltanet_step(DeltaNetDims d, 
     red[threadIdx.x] = kv;
     __syncthreads();
     kv = 0.0f;
-    for (int g = 0; g < groups; ++g) kv += red[g * d.value_dim + dv];
-    const float delta = beta * (v[dv] - kv);
+    for (int g = 0; g < groups; ++g) kv += red[g * cols + c];
+    const float delta = beta * (v[c] - kv);
     float o = 0.0f;
 #pragma unroll
     for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i) {
@@ -114,12 +137,19 @@ extern "C" __global__ void __launch_bounds__(512) deltanet_step(DeltaNetDims d, 
     red[threadIdx.x] = o;
     __syncthreads();
     o = 0.0f;
-    for (int g = 0; g < groups; ++g) o += red[g * d.value_dim + dv];
+    for (int g = 0; g < groups; ++g) o += red[g * cols + c];
 
-    // Gated RMSNorm over the head: norm(o) * w * silu(z).
+    // Gated RMSNorm over the head's value_dim columns: norm(o) * w * silu(z); the cluster's
+    // blocks each hold `cols` of them.
     const float sq = block_sum(grp == 0 ? o * o : 0.0f, scratch);
+    if (threadIdx.x == 0) partial_sq = sq;
+    cluster_barrier();
+    float total = 0.0f;
+    for (int r = 0; r < d.splits; ++r) total += cluster_load(&partial_sq, r);
+    // No block may leave while another still reads its partial.
+    cluster_barrier();
     if (grp == 0) {
-        const float inv = rsqrtf(sq / d.value_dim + d.eps);
+        const float inv = rsqrtf(total / d.value_dim + d.eps);
         const float z = zba[h * d.value_dim + dv];
         out[h * d.value_dim + dv] = o * inv * norm_w[dv] * silu(z);
     }

@@ -1,10 +1,11 @@
-// The sparse MoE block, decode: routing (softmax over the router logits, top-k, renormalised)
-// stays on the GPU; the selected experts and the shared expert run as slots of one launch each
-// for gate/up (with SwiGLU) and for down (weighted sum added to the residual stream).
+// The sparse MoE block, decode, in three launches: the router logits together with the shared
+// expert's gate/up (neither waits for the routing), then the routed experts' gate/up (each block
+// routes: softmax over the router logits, top-k, renormalised, all on the GPU) with SwiGLU, then
+// every slot's down projection, weighted and added to the residual stream.
 //
 // Slots 0..top_k-1 are routed experts, slot top_k is the shared expert, whose weight is
-// sigmoid(shared_expert_gate · x). The router launch (a plain `matvec`) writes the expert logits
-// followed by the shared-expert gate logit.
+// sigmoid(shared_expert_gate · x); moe_down folds each slot's weight into its staged
+// activations.
 
 #define MAX_TOP_K 32
 
@@ -48,197 +49,242 @@ __device__ void route(const MoeDims& d, float* logits, int* ids, float* weights)
 }
 
 #define GATE_UP_ROWS_PER_WARP 2
-#define DOWN_ROWS_PER_WARP 1
-#define DOWN_SLOTS_PER_PASS 8
+#define DOWN_ROWS_PER_WARP 2
+#define DOWN_PASS 4
 #define MAX_EXPERTS 1024
 
+// Rows first..first+GATE_UP_ROWS_PER_WARP-1 (of `rows`, from `base` in the stacked weights) of
+// silu(g x) * (u x), x staged in xs; `pass` may already hold the first pass (prefetched).
 template <int BITS>
 __device__ void gate_up_rows(const Weight& g, const Weight& u, int base, int rows, int first, const float* xs,
-                             float* out) {
+                             bool prefetched, Pass<2 * GATE_UP_ROWS_PER_WARP, 2>& pass, float* out) {
     constexpr int R = 2 * GATE_UP_ROWS_PER_WARP;
     const int lane = threadIdx.x & 31;
     RowRef refs[R];
-    float acc[R];
 #pragma unroll
     for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
         const int row = first + i < rows ? base + first + i : -1;
-        refs[i] = row_ref(g, row, xs);
-        refs[GATE_UP_ROWS_PER_WARP + i] = row_ref(u, row, xs);
-        acc[i] = acc[GATE_UP_ROWS_PER_WARP + i] = 0.0f;
+        refs[i] = row_ref(g, row);
+        refs[GATE_UP_ROWS_PER_WARP + i] = row_ref(u, row);
     }
-    Pass<R, 2> pass;
-    load_pass<BITS, R, 2>(refs, 0, g.group, lane, pass);
-    dot_rows<BITS, R, 2, true>(refs, refs[0].chunks, g.group, lane, pass, acc);
+    const StagedX sx = staged_x<BITS>(xs, g.cols);
+    if (!prefetched) load_pass<BITS, R, 2>(refs, 0, sx.chunks, g.group_shift, lane, pass);
+    RowSums<R> acc;
+    acc.clear();
+    dot_rows<BITS, R, 2>(refs, sx, g.group_shift, lane, pass, acc);
 #pragma unroll
     for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
-        const float gv = warp_sum(acc[i]), uv = warp_sum(acc[GATE_UP_ROWS_PER_WARP + i]);
+        const float gv = warp_sum(acc.lane_total(i, sx.s));
+        const float uv = warp_sum(acc.lane_total(GATE_UP_ROWS_PER_WARP + i, sx.s));
         if (lane == 0 && first + i < rows) out[first + i] = silu(gv) * uv;
     }
 }
 
-// act[slot] = silu(gate_e · x) * (up_e · x) for each slot's expert, x = RMSNorm(residual).
-// gate/up: routed experts stacked [experts * intermediate, hidden]; shared_*: [shared_intermediate, hidden].
-// Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k + 1). Every block routes
-// (from the router logits, while the input is being staged); block (0, 0) also writes the
-// routing to ids_out/weights_out. Shared memory: 32 + staged_floats(hidden) floats.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weight gate, Weight up, Weight shared_gate,
-                                                              Weight shared_up, const float* residual,
+// The first pass of the shared expert's rows, issued before the previous kernel finishes.
+template <int BITS>
+__device__ void gate_up_prefetch(const Weight& g, const Weight& u, int rows, int first,
+                                 Pass<2 * GATE_UP_ROWS_PER_WARP, 2>& pass) {
+    RowRef refs[2 * GATE_UP_ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
+        const int row = first + i < rows ? first + i : -1;
+        refs[i] = row_ref(g, row);
+        refs[GATE_UP_ROWS_PER_WARP + i] = row_ref(u, row);
+    }
+    load_pass<BITS, 2 * GATE_UP_ROWS_PER_WARP, 2>(refs, 0, g.cols / values_per_chunk(BITS), g.group_shift,
+                                                  threadIdx.x & 31, pass);
+}
+
+template <int BITS>
+__device__ void gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, bool shared, int slot,
+                              const float* residual, const float* norm_scale, const int* ids, float* xs, float* scratch,
+                              float* act) {
+    const int rows = shared ? d.shared_intermediate : d.intermediate;
+    const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
+    Pass<2 * GATE_UP_ROWS_PER_WARP, 2> pass;
+    if (shared) gate_up_prefetch<BITS>(g, u, rows, first, pass);
+    wait_for_previous_kernel();
+    const StageSource src = {residual, 0, d.hidden, 1, nullptr};
+    stage<BITS>(src, norm_scale, d.eps, xs, scratch);
+    // Routing (in the caller) finished before this block's staging barrier.
+    const int base = shared ? 0 : ids[slot] * d.intermediate;
+    float* out = act + (size_t)slot * max(d.intermediate, d.shared_intermediate);
+    gate_up_rows<BITS>(g, u, base, rows, first, xs, shared, pass, out);
+}
+
+// Everything of the MoE block that does not wait for the routing, in one launch: blocks with
+// blockIdx.y == 0 compute the router logits (router: [experts + 1, hidden], the experts' rows
+// then the shared-expert gate's) into router_logits, blocks with blockIdx.y == 1 the shared
+// expert's act[top_k] = silu(gate · x) * (up · x); x = RMSNorm(residual) for both.
+// Grid: (max(router row blocks of 8 warps, shared row blocks of 8 warps * GATE_UP_ROWS_PER_WARP
+// rows), 2). Shared memory: 64 + staged_floats(hidden) floats.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d, Weight router, Weight shared_gate,
+                                                                    Weight shared_up, const float* residual,
+                                                                    const float* norm_scale, float* router_logits,
+                                                                    float* act) {
+    extern __shared__ __align__(16) float smem[];
+    if (blockIdx.y == 0) {
+        matvec_bits<1, 4>(router, residual, norm_scale, d.eps, router_logits, 0, smem);
+        return;
+    }
+    float* xs = smem + 64;
+    switch (shared_gate.bits) {
+        case 4: gate_up_block<4>(d, shared_gate, shared_up, true, d.top_k, residual, norm_scale, nullptr, xs, smem, act); break;
+        case 8: gate_up_block<8>(d, shared_gate, shared_up, true, d.top_k, residual, norm_scale, nullptr, xs, smem, act); break;
+        default: gate_up_block<16>(d, shared_gate, shared_up, true, d.top_k, residual, norm_scale, nullptr, xs, smem, act); break;
+    }
+}
+
+// act[slot] = silu(gate_e · x) * (up_e · x) for each routed slot's expert, x = RMSNorm(residual).
+// gate/up: routed experts stacked [experts * intermediate, hidden].
+// Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k). Every block routes (from
+// the router logits, by its last warp, before staging ends); block (0, 0) also writes the
+// routing to ids_out/weights_out. Shared memory: 64 + staged_floats(hidden) floats.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
                                                               const float* norm_scale, const float* router_logits,
                                                               float* act, int* ids_out, float* weights_out) {
-    wait_for_previous_kernel();
     extern __shared__ __align__(16) float smem[];
     __shared__ float logits[MAX_EXPERTS + 1];
     __shared__ int ids[MAX_TOP_K + 1];
     __shared__ float weights[MAX_TOP_K + 1];
-    const int slot = blockIdx.y;
-    const bool shared = slot == d.top_k;
+    // The router logits come from the previous kernel.
+    wait_for_previous_kernel();
     for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) logits[e] = router_logits[e];
-    const float ss = block_sum(sum_of_squares(residual, d.hidden), smem);
-    const Weight& g = shared ? shared_gate : gate;
-    const Weight& u = shared ? shared_up : up;
-    float* xs = smem + 32;
-    stage_values(g.bits, d.hidden, residual, norm_scale, rsqrtf(ss / d.hidden + d.eps), xs);
     __syncthreads();
-    // The last warp routes while the others sum the chunks.
     if (threadIdx.x >= blockDim.x - 32) route(d, logits, ids, weights);
-    else stage_chunk_sums(g.bits, d.hidden, xs, blockDim.x - 32);
-    __syncthreads();
-    if (blockIdx.x == 0 && slot == 0 && threadIdx.x <= d.top_k) {
-        ids_out[threadIdx.x] = ids[threadIdx.x];
-        weights_out[threadIdx.x] = weights[threadIdx.x];
-    }
-    const int rows = shared ? d.shared_intermediate : d.intermediate;
-    const int base = shared ? 0 : ids[slot] * d.intermediate;
-    const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
-    float* out = act + (size_t)slot * max(d.intermediate, d.shared_intermediate);
-    switch (g.bits) {
-        case 4: gate_up_rows<4>(g, u, base, rows, first, xs, out); break;
-        case 8: gate_up_rows<8>(g, u, base, rows, first, xs, out); break;
-        default: gate_up_rows<16>(g, u, base, rows, first, xs, out); break;
-    }
-}
-
-// The rows of one routed pass: slots pass..pass+DOWN_SLOTS_PER_PASS-1, output rows from r0.
-__device__ __forceinline__ void down_refs(const MoeDims& d, const Weight& down, const int* ids, const float* staged,
-                                          int per_slot, int pass, int r0,
-                                          RowRef (&refs)[DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP]) {
-#pragma unroll
-    for (int i = 0; i < DOWN_SLOTS_PER_PASS; ++i)
-#pragma unroll
-        for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k) {
-            const int s = pass + i, r = r0 + k;
-            const int row = s < d.top_k && r < d.hidden ? ids[s] * d.hidden + r : -1;
-            refs[i * DOWN_ROWS_PER_WARP + k] = row_ref(down, row, staged + (size_t)min(s, d.top_k) * per_slot);
+    if (blockIdx.x == 0 && blockIdx.y == 0) {
+        __syncthreads();
+        if (threadIdx.x <= d.top_k) {
+            ids_out[threadIdx.x] = ids[threadIdx.x];
+            weights_out[threadIdx.x] = weights[threadIdx.x];
         }
+    }
+    float* xs = smem + 64;
+    const int slot = blockIdx.y;
+    switch (gate.bits) {
+        case 4: gate_up_block<4>(d, gate, up, false, slot, residual, norm_scale, ids, xs, smem, act); break;
+        case 8: gate_up_block<8>(d, gate, up, false, slot, residual, norm_scale, ids, xs, smem, act); break;
+        default: gate_up_block<16>(d, gate, up, false, slot, residual, norm_scale, ids, xs, smem, act); break;
+    }
 }
 
-// sum[k] += sum over the routed slots of weight[slot] * (down_e · act[slot])[r0 + k]. The first
-// pass is already loaded in `pass`; the activations must be staged by now.
+// The routed experts' down projections as one gathered row per output row r: chunk v of the
+// row is chunk v % cps of row ids[v / cps] * hidden + r (cps = chunks per expert row), against
+// the routed activations staged one after another, each times its routing weight.
 template <int BITS>
-__device__ void down_routed(const MoeDims& d, const Weight& down, const int* ids, const float* weights,
-                            const float* staged, int per_slot, int r0,
-                            RowRef (&refs)[DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP],
-                            Pass<DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP, 1>& pass, float (&sum)[DOWN_ROWS_PER_WARP]) {
-    const int lane = threadIdx.x & 31;
-    constexpr int R = DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP;
-    for (int first = 0; first < d.top_k; first += DOWN_SLOTS_PER_PASS) {
-        if (first > 0) {
-            down_refs(d, down, ids, staged, per_slot, first, r0, refs);
-            load_pass<BITS, R, 1>(refs, 0, down.group, lane, pass);
-        }
-        float acc[R];
+__device__ __forceinline__ void down_pass(const MoeDims& d, const Weight& w, const int* ids, int r0, int base, int lane,
+                                          Pass<DOWN_ROWS_PER_WARP, DOWN_PASS>& p) {
+    constexpr int VPC = 128 / BITS;
+    const int cps = d.intermediate / VPC, total = cps * d.top_k, groups = d.intermediate >> w.group_shift;
 #pragma unroll
-        for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-        dot_rows<BITS, R, 1, false>(refs, refs[0].chunks, down.group, lane, pass, acc);
+    for (int j = 0; j < DOWN_PASS; ++j) {
+        const int v = base + j * 32 + lane;
+        const int e = v / cps, c = v - e * cps;
 #pragma unroll
-        for (int i = 0; i < DOWN_SLOTS_PER_PASS; ++i)
-#pragma unroll
-            for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k) {
-                const float v = warp_sum(acc[i * DOWN_ROWS_PER_WARP + k]);
-                if (first + i < d.top_k) sum[k] += weights[first + i] * v;
+        for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) {
+            const bool valid = v < total && r0 + i < d.hidden;
+            const size_t row = valid ? (size_t)ids[e] * d.hidden + r0 + i : 0;
+            p.u[i][j] = valid ? __ldg(reinterpret_cast<const uint4*>(w.data) + row * cps + c) : make_uint4(0, 0, 0, 0);
+            if (BITS != 16) {
+                const size_t g = row * groups + ((c * VPC) >> w.group_shift);
+                p.scale[i][j] = valid ? w.scales[g] : __float2bfloat16(0.0f);
+                p.bias[i][j] = valid ? w.biases[g] : __float2bfloat16(0.0f);
             }
+        }
     }
 }
 
-// sum[k] += weight * (shared_down · act[shared])[r0 + k].
 template <int BITS>
-__device__ void down_shared(const Weight& w, float weight, const float* xs, int r0, float (&sum)[DOWN_ROWS_PER_WARP]) {
+__device__ void down_routed(const MoeDims& d, const Weight& w, const int* ids, const float* xs, int r0,
+                            float (&out)[DOWN_ROWS_PER_WARP]) {
     const int lane = threadIdx.x & 31;
-    RowRef refs[DOWN_ROWS_PER_WARP];
-    float acc[DOWN_ROWS_PER_WARP];
+    const StagedX sx = staged_x<BITS>(xs, d.intermediate * d.top_k);
+    RowRef rows[DOWN_ROWS_PER_WARP];
 #pragma unroll
-    for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k) {
-        refs[k] = row_ref(w, r0 + k, xs);
-        acc[k] = 0.0f;
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) rows[i].data = reinterpret_cast<const uint4*>(w.data);
+    Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> pass;
+    RowSums<DOWN_ROWS_PER_WARP> acc;
+    acc.clear();
+    for (int base = 0; base < sx.chunks; base += 32 * DOWN_PASS) {
+        down_pass<BITS>(d, w, ids, r0, base, lane, pass);
+        use_pass<BITS, DOWN_ROWS_PER_WARP, DOWN_PASS>(rows, sx, base, lane, pass, acc);
     }
-    Pass<DOWN_ROWS_PER_WARP, 1> pass;
-    load_pass<BITS, DOWN_ROWS_PER_WARP, 1>(refs, 0, w.group, lane, pass);
-    dot_rows<BITS, DOWN_ROWS_PER_WARP, 1, true>(refs, refs[0].chunks, w.group, lane, pass, acc);
 #pragma unroll
-    for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k) sum[k] += weight * warp_sum(acc[k]);
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) out[i] += warp_sum(acc.lane_total(i, sx.s));
 }
 
 template <int BITS>
-__device__ void down_first_pass(const MoeDims& d, const Weight& down, const int* ids, const float* staged,
-                                int per_slot, int r0, RowRef (&refs)[DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP],
-                                Pass<DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP, 1>& pass) {
-    down_refs(d, down, ids, staged, per_slot, 0, r0, refs);
-    load_pass<BITS, DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP, 1>(refs, 0, down.group, threadIdx.x & 31, pass);
+__device__ void down_shared_prefetch(const Weight& w, int r0, Pass<DOWN_ROWS_PER_WARP, 1>& pass) {
+    RowRef rows[DOWN_ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) rows[i] = row_ref(w, r0 + i);
+    load_pass<BITS, DOWN_ROWS_PER_WARP, 1>(rows, 0, w.cols / values_per_chunk(BITS), w.group_shift, threadIdx.x & 31,
+                                           pass);
 }
 
-// residual[r] += sum over slots of weight[slot] * (down_e · act[slot])[r].
+template <int BITS>
+__device__ void down_shared(const Weight& w, const float* xs, int r0, Pass<DOWN_ROWS_PER_WARP, 1>& pass,
+                            float (&out)[DOWN_ROWS_PER_WARP]) {
+    RowRef rows[DOWN_ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) rows[i] = row_ref(w, r0 + i);
+    const StagedX sx = staged_x<BITS>(xs, w.cols);
+    RowSums<DOWN_ROWS_PER_WARP> acc;
+    acc.clear();
+    dot_rows<BITS, DOWN_ROWS_PER_WARP, 1>(rows, sx, w.group_shift, threadIdx.x & 31, pass, acc);
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) out[i] += warp_sum(acc.lane_total(i, sx.s));
+}
+
+// residual[r] += sum over routed slots of weight[slot] * (down_e · act[slot])[r]
+//              + weight[shared] * (shared_down · act[shared])[r].
 // down: routed experts stacked [experts * hidden, intermediate]; shared_down: [hidden, shared_intermediate].
-// Grid: hidden / (8 warps * DOWN_ROWS_PER_WARP) blocks. Shared memory: 32 + (top_k + 1) *
-// staged_floats(max(intermediate, shared_intermediate)) floats.
+// Grid: hidden / (8 warps * DOWN_ROWS_PER_WARP) blocks. Shared memory: 64 + staged_floats(top_k *
+// intermediate) + staged_floats(shared_intermediate) floats.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual) {
-    wait_for_previous_kernel();
     extern __shared__ __align__(16) float smem[];
     __shared__ int ids[MAX_TOP_K + 1];
-    __shared__ float weights[MAX_TOP_K + 1];
-    if (threadIdx.x <= d.top_k) {
-        ids[threadIdx.x] = ids_in[threadIdx.x];
-        weights[threadIdx.x] = weights_in[threadIdx.x];
-    }
-    __syncthreads();
-    const int stride = max(d.intermediate, d.shared_intermediate);
-    const int per_slot = staged_floats(stride);
-    float* staged = smem + 32;
     const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * DOWN_ROWS_PER_WARP;
-    // The first experts' weights are in flight while the activations are staged.
-    RowRef refs[DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP];
-    Pass<DOWN_SLOTS_PER_PASS * DOWN_ROWS_PER_WARP, 1> pass;
-    switch (down.bits) {
-        case 4: down_first_pass<4>(d, down, ids, staged, per_slot, r0, refs, pass); break;
-        case 8: down_first_pass<8>(d, down, ids, staged, per_slot, r0, refs, pass); break;
-        default: down_first_pass<16>(d, down, ids, staged, per_slot, r0, refs, pass); break;
-    }
-    for (int s = 0; s <= d.top_k; ++s) {
-        const Weight& w = s == d.top_k ? shared_down : down;
-        stage_values(w.bits, w.cols, act + (size_t)s * stride, nullptr, 1.0f, staged + (size_t)s * per_slot);
-    }
-    __syncthreads();
-    for (int s = 0; s <= d.top_k; ++s) {
-        const Weight& w = s == d.top_k ? shared_down : down;
-        stage_chunk_sums(w.bits, w.cols, staged + (size_t)s * per_slot, blockDim.x);
-    }
-    __syncthreads();
-    float sum[DOWN_ROWS_PER_WARP] = {};
-    switch (down.bits) {
-        case 4: down_routed<4>(d, down, ids, weights, staged, per_slot, r0, refs, pass, sum); break;
-        case 8: down_routed<8>(d, down, ids, weights, staged, per_slot, r0, refs, pass, sum); break;
-        default: down_routed<16>(d, down, ids, weights, staged, per_slot, r0, refs, pass, sum); break;
-    }
-    const float* shared_xs = staged + (size_t)d.top_k * per_slot;
-    const float shared_weight = weights[d.top_k];
+    // The shared expert's rows do not depend on the routing: they go out first.
+    Pass<DOWN_ROWS_PER_WARP, 1> shared_pass;
     switch (shared_down.bits) {
-        case 4: down_shared<4>(shared_down, shared_weight, shared_xs, r0, sum); break;
-        case 8: down_shared<8>(shared_down, shared_weight, shared_xs, r0, sum); break;
-        default: down_shared<16>(shared_down, shared_weight, shared_xs, r0, sum); break;
+        case 4: down_shared_prefetch<4>(shared_down, r0, shared_pass); break;
+        case 8: down_shared_prefetch<8>(shared_down, r0, shared_pass); break;
+        default: down_shared_prefetch<16>(shared_down, r0, shared_pass); break;
+    }
+    wait_for_previous_kernel();
+    if (threadIdx.x <= d.top_k) ids[threadIdx.x] = ids_in[threadIdx.x];
+    const int stride = max(d.intermediate, d.shared_intermediate);
+    float* routed_xs = smem + 64;
+    float* shared_xs = routed_xs + staged_floats(d.intermediate * d.top_k);
+    const StageSource routed = {act, stride, d.intermediate, d.top_k, weights_in};
+    const StageSource shared = {act + (size_t)d.top_k * stride, 0, d.shared_intermediate, 1, weights_in + d.top_k};
+    // stage() ends with a barrier, which also publishes ids.
+    switch (down.bits) {
+        case 4: stage<4>(routed, nullptr, 0.0f, routed_xs, smem); break;
+        case 8: stage<8>(routed, nullptr, 0.0f, routed_xs, smem); break;
+        default: stage<16>(routed, nullptr, 0.0f, routed_xs, smem); break;
+    }
+    switch (shared_down.bits) {
+        case 4: stage<4>(shared, nullptr, 0.0f, shared_xs, smem); break;
+        case 8: stage<8>(shared, nullptr, 0.0f, shared_xs, smem); break;
+        default: stage<16>(shared, nullptr, 0.0f, shared_xs, smem); break;
+    }
+    float out[DOWN_ROWS_PER_WARP] = {};
+    switch (down.bits) {
+        case 4: down_routed<4>(d, down, ids, routed_xs, r0, out); break;
+        case 8: down_routed<8>(d, down, ids, routed_xs, r0, out); break;
+        default: down_routed<16>(d, down, ids, routed_xs, r0, out); break;
+    }
+    switch (shared_down.bits) {
+        case 4: down_shared<4>(shared_down, shared_xs, r0, shared_pass, out); break;
+        case 8: down_shared<8>(shared_down, shared_xs, r0, shared_pass, out); break;
+        default: down_shared<16>(shared_down, shared_xs, r0, shared_pass, out); break;
     }
     if ((threadIdx.x & 31) == 0)
 #pragma unroll
-        for (int k = 0; k < DOWN_ROWS_PER_WARP; ++k)
-            if (r0 + k < d.hidden) residual[r0 + k] += sum[k];
+        for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
+            if (r0 + i < d.hidden) residual[r0 + i] += out[i];
 }

@@ -5,243 +5,421 @@
 // its 16-byte weight loads for those rows before using any, so enough bytes are in flight to
 // keep HBM busy.
 //
-// Staged layout: a 16-byte chunk of a row covers `vpc = 128 / bits` consecutive inputs. Input i
-// (chunk c = i / vpc, offset j = i % vpc) is stored as component j % 4 of float4 number
-// (j / 4) * chunks + c, so the 32 lanes of a warp, which work on 32 consecutive chunks, read 32
-// consecutive float4s: no bank conflicts. For quantised weights `csum[c]` holds the sum of x over
-// chunk c.
+// Decode reads every weight once per token, so the arithmetic per weight must stay well under
+// the rate HBM delivers them: at 3.5 TB/s of 4-bit weights an SM receives ~27 values per cycle
+// and issues 4 warp instructions (128 lanes). 4-bit rows are therefore dotted in half2:
 //
-// Dequantisation without integer-to-float conversions: OR-ing a value q that sits at bit p of a
-// word (p + bits <= 23, its other bits masked off) into the bits of 1.0f gives exactly
-// 1 + q * 2^(p - 23); subtracting 1 leaves q * 2^(p - 23). Products are summed per bit position
-// and scaled back by 2^(23 - p) once per chunk, so a chunk costs one mask, one add and one FMA per
-// value. A chunk then contributes scale * sum(q * x) + bias * csum.
+//   OR-ing two nibbles masked in place at bits 0-3 and 16-19 of a word into 0x64006400 gives the
+//   half2 (1024 + q0, 1024 + q1) exactly (fp16 holds integers to 2048); one subtraction leaves
+//   (q0, q1) and one HFMA2 multiplies them by two inputs. The nibbles at bits 4-7 / 20-23 come
+//   out as 16 * q and meet inputs staged divided by 16. A 32-bit word (8 values) costs one shift,
+//   4 LOP3, 4 HSUB2 and 4 HFMA2: 1.6 instructions per value instead of 4 in f32.
+//
+// fp16 has 5 exponent bits, so the 4-bit staging divides x by a power of two s chosen so that
+// |x / s| < 32: a half-lane then sums at most 8 products q * x / s (|.| < 3840), far from the fp16
+// limit, and each 32-value chunk's sum is taken to f32 before the group's scale and bias apply.
+// Rounding x to fp16 costs 2^-11 relative, 8x less than the bf16 activations of the reference's
+// own tolerance calibration.
+//
+// Staged layouts (a chunk is the 16 bytes of a row one lane loads; it covers vpc = 128 / bits
+// inputs; `chunks` = cols / vpc):
+//   4-bit: 16-byte entry k * chunks + c (word k = 0..3 of chunk c, inputs i = 32c + 8k + j) holds
+//          half2 (x[i+0], x[i+4]) / s, (x[i+1], x[i+5]) / 16s, (x[i+2], x[i+6]) / s,
+//          (x[i+3], x[i+7]) / 16s; then csum[c] = sum of the chunk's x (f32, unscaled); then s.
+//   8-bit: float4 k * chunks + c (k = 0..3) holds x[16c + 4k .. 16c + 4k + 3]; then csum[c].
+//   bf16:  float4 k * chunks + c (k = 0..1) holds x[8c + 4k .. 8c + 4k + 3].
+// The 32 lanes of a warp work on 32 consecutive chunks and so read 32 consecutive 16-byte
+// entries: no bank conflicts.
+//
+// A quantised chunk contributes scale * sum(q * x) + bias * csum.
 
-// Floats of shared memory a staged input of `cols` values needs (x, then chunk sums), rounded
-// to whole float4s.
-__host__ __device__ __forceinline__ int staged_floats(int cols) { return cols + ((cols / 8 + 3) & ~3); }
+#include <cuda_fp16.h>
 
-// Writes x (times `inv` and `norm_scale` when non-null) in the staged layout for a weight of
-// `bits` bits and `cols` inputs into `xs` (16-byte aligned). x and norm_scale are read as float4s
-// (16-byte aligned, cols a multiple of 8), several loads in flight per thread: staging sits on
-// every mat-vec's critical path. No barrier: see stage_chunk_sums.
-__device__ __forceinline__ void stage_values(int bits, int cols, const float* x, const float* norm_scale, float inv,
-                                             float* xs) {
-    const int vpc = values_per_chunk(bits);
-    const int chunks = cols / vpc;
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    const float4* n4 = reinterpret_cast<const float4*>(norm_scale);
-#pragma unroll 4
-    for (int i4 = threadIdx.x; i4 < cols / 4; i4 += blockDim.x) {
-        const float4 v = x4[i4];
-        const float4 n = norm_scale != nullptr ? n4[i4] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-        const float e[4] = {v.x * inv * n.x, v.y * inv * n.y, v.z * inv * n.z, v.w * inv * n.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int i = 4 * i4 + k;
-            const int c = i / vpc, j = i % vpc;
-            xs[((j >> 2) * chunks + c) * 4 + (j & 3)] = e[k];
-        }
-    }
+// Floats of shared memory a staged input of `cols` values needs (the largest layout: f32 x, chunk
+// sums, the scale), rounded to whole float4s.
+__host__ __device__ __forceinline__ int staged_floats(int cols) { return cols + ((cols / 8 + 4 + 3) & ~3); }
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// This thread's share of sum(x[i]^2), read as float4s (see stage_values).
-__device__ __forceinline__ float sum_of_squares(const float* x, int cols) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    float ss = 0.0f;
+__device__ __forceinline__ uint4 lds128(uint32_t address) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+    return v;
+}
+
+__device__ __forceinline__ float lds32(uint32_t address) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address));
+    return v;
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ __half2 as_half2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
+
+// (a & mask) | bits in one LOP3 (the compiler emits two when both constants are immediates).
+__device__ __forceinline__ uint32_t mask_or(uint32_t a, uint32_t mask, uint32_t bits) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+    return d;
+}
+
+// An input vector being staged: `segments` pieces of `seg_cols` values each, piece p read from
+// x[p] (x[0] + p * seg_stride when x is a single pointer) and multiplied by mult[p]. One piece for
+// a plain mat-vec; the routed experts' activations, weighted, for moe_down.
+struct StageSource {
+    const float* x;
+    int seg_stride;
+    int seg_cols;
+    int segments;
+    const float* mult;  // null: 1 for every piece
+};
+
+// This thread's sum of squares and largest magnitude of the source (times norm_scale when
+// non-null), read as float4s (x 16-byte aligned, seg_cols a multiple of 4).
+__device__ __forceinline__ float2 source_stats(const StageSource& src, const float* norm_scale) {
+    float ss = 0.0f, mx = 0.0f;
+    const int per_seg = src.seg_cols / 4, total = per_seg * src.segments;
 #pragma unroll 4
-    for (int i4 = threadIdx.x; i4 < cols / 4; i4 += blockDim.x) {
-        const float4 v = x4[i4];
+    for (int i4 = threadIdx.x; i4 < total; i4 += blockDim.x) {
+        const int p = i4 / per_seg, o = i4 - p * per_seg;
+        const float4 v = reinterpret_cast<const float4*>(src.x + (size_t)p * src.seg_stride)[o];
+        const float m = src.mult != nullptr ? src.mult[p] : 1.0f;
+        const float4 n = norm_scale != nullptr ? reinterpret_cast<const float4*>(norm_scale)[o]
+                                               : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x * n.x), fabsf(v.y * n.y)), fmaxf(fabsf(v.z * n.z), fabsf(v.w * n.w))) *
+                           fabsf(m));
     }
-    return ss;
+    return make_float2(ss, mx);
 }
 
-// The chunk sums after staged values (quantised weights only), computed by threads
-// [0, threads); call after a barrier that follows stage_values, and put a barrier before using
-// them.
-__device__ __forceinline__ void stage_chunk_sums(int bits, int cols, float* xs, int threads) {
-    if (bits == 16) return;
-    const int vpc = values_per_chunk(bits);
-    const int chunks = cols / vpc;
-    const float4* x4 = reinterpret_cast<const float4*>(xs);
-    float* csum = xs + cols;
-    for (int c = threadIdx.x; c < chunks; c += threads) {
-        float s = 0.0f;
-        for (int q = 0; q < vpc / 4; ++q) {
-            const float4 f = x4[q * chunks + c];
-            s += (f.x + f.y) + (f.z + f.w);
+// Sum of .x and max of .y over the block; every thread gets the result. `scratch`: 64 floats.
+__device__ __forceinline__ float2 block_sum_max(float2 v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v.x = warp_sum(v.x);
+    v.y = warp_max(v.y);
+    __syncthreads();
+    if (lane == 0) { scratch[warp] = v.x; scratch[32 + warp] = v.y; }
+    __syncthreads();
+    return make_float2(warp_sum(lane < warps ? scratch[lane] : 0.0f), warp_max(lane < warps ? scratch[32 + lane] : 0.0f));
+}
+
+// Eight consecutive inputs of the source starting at flat index i (a multiple of 8), times inv,
+// norm_scale and the piece's multiplier.
+__device__ __forceinline__ void source_eight(const StageSource& src, const float* norm_scale, float inv, int i,
+                                             float (&e)[8]) {
+    const int p = i / src.seg_cols, o = i - p * src.seg_cols;
+    const float4* x4 = reinterpret_cast<const float4*>(src.x + (size_t)p * src.seg_stride + o);
+    const float m = inv * (src.mult != nullptr ? src.mult[p] : 1.0f);
+    const float4 a = x4[0], b = x4[1];
+    float4 na = make_float4(1.0f, 1.0f, 1.0f, 1.0f), nb = na;
+    if (norm_scale != nullptr) {
+        na = reinterpret_cast<const float4*>(norm_scale + o)[0];
+        nb = reinterpret_cast<const float4*>(norm_scale + o)[1];
+    }
+    e[0] = a.x * na.x * m; e[1] = a.y * na.y * m; e[2] = a.z * na.z * m; e[3] = a.w * na.w * m;
+    e[4] = b.x * nb.x * m; e[5] = b.y * nb.y * m; e[6] = b.z * nb.z * m; e[7] = b.w * nb.w * m;
+}
+
+// Stages the source (RMS-normalised and scaled by norm_scale when non-null; norm over a single
+// piece only) for a weight of BITS bits into xs (16-byte aligned), then a barrier. scratch: 64
+// floats. Every thread takes whole 8-value words, so chunk sums need no second pass.
+template <int BITS>
+__device__ void stage(const StageSource& src, const float* norm_scale, float eps, float* xs, float* scratch) {
+    const int cols = src.seg_cols * src.segments;
+    float inv = 1.0f, s = 1.0f;
+    if (norm_scale != nullptr || BITS == 4) {
+        const float2 st = block_sum_max(source_stats(src, norm_scale), scratch);
+        if (norm_scale != nullptr) inv = rsqrtf(st.x / cols + eps);
+        // s = 2^e with max|x| / s in [16, 32); 1 for an all-zero input.
+        const float mx = st.y * inv;
+        if (BITS == 4 && mx > 0.0f) s = exp2f(ceilf(log2f(mx)) - 5.0f);
+    }
+    const int words = cols / 8;
+    if (BITS == 4) {
+        const int chunks = cols / 32;
+        const float r = 1.0f / s, r16 = r * 0.0625f;
+        float* csum = xs + cols / 2;
+        // Warp-uniform trip count: the shuffles below need every lane.
+        for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
+            float e[8] = {};
+            if (t < words) source_eight(src, norm_scale, inv, 8 * t, e);
+            const int c = t >> 2, k = t & 3;
+            if (t < words) {
+                const uint4 h = make_uint4(pack_half2(e[0] * r, e[4] * r), pack_half2(e[1] * r16, e[5] * r16),
+                                           pack_half2(e[2] * r, e[6] * r), pack_half2(e[3] * r16, e[7] * r16));
+                reinterpret_cast<uint4*>(xs)[k * chunks + c] = h;
+            }
+            // The four words of a chunk belong to four consecutive threads of one warp.
+            float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (k == 0 && t < words) csum[c] = sum;
         }
-        csum[c] = s;
+        if (threadIdx.x == 0) csum[chunks] = s;
+    } else {
+        constexpr int VPC = 128 / BITS;
+        const int chunks = cols / VPC;
+        float* csum = xs + cols;
+        for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
+            float e[8] = {};
+            if (t < words) source_eight(src, norm_scale, inv, 8 * t, e);
+            // Word t: inputs 8t.. of chunk c = 8t / VPC, float4s q and q + 1 of it.
+            const int c = (8 * t) / VPC, q = ((8 * t) % VPC) / 4;
+            if (t < words) {
+                float4* x4 = reinterpret_cast<float4*>(xs);
+                x4[q * chunks + c] = make_float4(e[0], e[1], e[2], e[3]);
+                x4[(q + 1) * chunks + c] = make_float4(e[4], e[5], e[6], e[7]);
+            }
+            if (BITS == 8) {
+                // A 16-value chunk is two consecutive words.
+                float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                if ((t & 1) == 0 && t < words) csum[c] = sum;
+            }
+        }
     }
-}
-
-// Stages x (RMS-normalised and scaled by `norm_scale` when non-null) for a weight of `bits` bits
-// and `cols` inputs into `xs` (16-byte aligned), chunk sums after it. `scratch` holds 32 floats.
-__device__ void stage_input(int bits, int cols, const float* x, const float* norm_scale, float eps, float* xs,
-                            float* scratch) {
-    float inv = 1.0f;
-    if (norm_scale != nullptr) inv = rsqrtf(block_sum(sum_of_squares(x, cols), scratch) / cols + eps);
-    stage_values(bits, cols, x, norm_scale, inv, xs);
-    __syncthreads();
-    stage_chunk_sums(bits, cols, xs, blockDim.x);
     __syncthreads();
 }
 
-// One weight row and the staged input it multiplies.
+// The staged input as the dot products read it.
+struct StagedX {
+    uint32_t x;     // shared address of the entries
+    uint32_t csum;  // shared address of the chunk sums
+    int chunks;
+    float s;        // 4-bit: the power of two x was divided by
+};
+
+template <int BITS>
+__device__ __forceinline__ StagedX staged_x(const float* xs, int cols) {
+    StagedX v;
+    v.x = shared_address(xs);
+    v.chunks = cols / (128 / BITS);
+    const float* csum = BITS == 4 ? xs + cols / 2 : xs + cols;
+    v.csum = shared_address(csum);
+    v.s = BITS == 4 ? csum[v.chunks] : 1.0f;
+    return v;
+}
+
+// One weight row: its 16-byte chunks and, when quantised, one bf16 scale and bias per group.
 struct RowRef {
     const uint4* data;  // null: no row (its result is 0)
     const bf16* scales;
     const bf16* biases;
-    const float4* x;
-    const float* csum;
-    int chunks;
 };
 
-__device__ __forceinline__ RowRef row_ref(const Weight& w, int row, const float* xs) {
+__device__ __forceinline__ RowRef row_ref(const Weight& w, int row) {
     RowRef r;
-    const int vpc = values_per_chunk(w.bits);
-    r.chunks = w.cols / vpc;
-    r.x = reinterpret_cast<const float4*>(xs);
-    r.csum = xs + w.cols;
     if (row < 0 || row >= w.rows) {
         r.data = nullptr;
         r.scales = r.biases = nullptr;
         return r;
     }
-    r.data = reinterpret_cast<const uint4*>(static_cast<const char*>(w.data) + (size_t)row * r.chunks * 16);
-    const size_t groups = w.bits == 16 ? 0 : (size_t)(w.cols / w.group);
+    const int chunks = w.cols / values_per_chunk(w.bits);
+    r.data = reinterpret_cast<const uint4*>(static_cast<const char*>(w.data) + (size_t)row * chunks * 16);
+    const size_t groups = w.bits == 16 ? 0 : (size_t)(w.cols >> w.group_shift);
     r.scales = w.scales + row * groups;
     r.biases = w.biases + row * groups;
     return r;
-}
-
-__device__ __forceinline__ float dot4(float4 x, float a, float b, float c, float d) {
-    return x.x * a + x.y * b + x.z * c + x.w * d;
-}
-
-// q * 2^(P - 23) for the value at bits [P, P + BITS) of w (P + BITS <= 23).
-template <int BITS, int P>
-__device__ __forceinline__ float low_bits_f(uint32_t w) {
-    return __uint_as_float((w & (((1u << BITS) - 1u) << P)) | 0x3F800000u) - 1.0f;
 }
 
 // The loads of one pass over R rows: U chunks per lane per row, with their scales and biases.
 template <int R, int U>
 struct Pass {
     uint4 u[R][U];
-    float scale[R][U];
-    float bias[R][U];
+    bf16 scale[R][U];
+    bf16 bias[R][U];
 };
 
-// Issues the loads of the pass starting at chunk `base` (nothing is waited for here).
+// Issues the loads of the pass starting at chunk `base` of rows with `chunks` chunks (nothing
+// is waited for here).
 template <int BITS, int R, int U>
-__device__ __forceinline__ void load_pass(const RowRef (&rows)[R], int base, int group, int lane, Pass<R, U>& p) {
+__device__ __forceinline__ void load_pass(const RowRef (&rows)[R], int base, int chunks, int group_shift, int lane,
+                                          Pass<R, U>& p) {
 #pragma unroll
     for (int i = 0; i < R; ++i)
 #pragma unroll
         for (int j = 0; j < U; ++j) {
             const int c = base + j * 32 + lane;
-            const bool valid = rows[i].data != nullptr && c < rows[i].chunks;
+            const bool valid = rows[i].data != nullptr && c < chunks;
             p.u[i][j] = valid ? __ldg(rows[i].data + c) : make_uint4(0, 0, 0, 0);
             if (BITS != 16) {
-                const int g = (c * (128 / BITS)) / group;
-                p.scale[i][j] = valid ? __bfloat162float(rows[i].scales[g]) : 0.0f;
-                p.bias[i][j] = valid ? __bfloat162float(rows[i].biases[g]) : 0.0f;
+                const int g = (c * (128 / BITS)) >> group_shift;
+                p.scale[i][j] = valid ? rows[i].scales[g] : __float2bfloat16(0.0f);
+                p.bias[i][j] = valid ? rows[i].biases[g] : __float2bfloat16(0.0f);
             }
         }
 }
 
-// The staged inputs of chunk c of a row: 8 / 4 / 2 float4s for 4-bit / 8-bit / bf16 weights.
-template <int BITS>
-__device__ __forceinline__ void load_x(const RowRef& r, int c, float4 (&xv)[8]) {
-    constexpr int N = BITS == 4 ? 8 : BITS == 8 ? 4 : 2;
-#pragma unroll
-    for (int k = 0; k < N; ++k) xv[k] = r.x[k * r.chunks + c];
+// sum(q * x / s) over one 4-bit word's 8 values, x the word's staged entry.
+__device__ __forceinline__ __half2 word_dot4(uint32_t w, uint4 x, __half2 acc) {
+    const uint32_t magic = 0x64006400u, lo = 0x000F000Fu, hi = 0x00F000F0u;
+    const __half2 k1024 = __float2half2_rn(1024.0f);
+    const uint32_t w8 = w >> 8;
+    acc = __hfma2(__hsub2(as_half2(mask_or(w, lo, magic)), k1024), as_half2(x.x), acc);
+    acc = __hfma2(__hsub2(as_half2(mask_or(w, hi, magic)), k1024), as_half2(x.y), acc);
+    acc = __hfma2(__hsub2(as_half2(mask_or(w8, lo, magic)), k1024), as_half2(x.z), acc);
+    acc = __hfma2(__hsub2(as_half2(mask_or(w8, hi, magic)), k1024), as_half2(x.w), acc);
+    return acc;
 }
 
-// One chunk (its 16 bytes in u) dotted with its staged inputs xv (csum: their sum).
+// The staged entries of chunk c: 4 / 4 / 2 16-byte entries for 4-bit / 8-bit / bf16 weights.
 template <int BITS>
-__device__ __forceinline__ float chunk_dot(uint4 u, const float4 (&xv)[8], float csum, float scale, float bias) {
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    if (BITS == 16) {
-        float s = 0.0f;
+__device__ __forceinline__ void load_x(const StagedX& sx, int c, uint4 (&xv)[4]) {
+    constexpr int N = BITS == 16 ? 2 : 4;
 #pragma unroll
-        for (int k = 0; k < 2; ++k)
-            s += dot4(xv[k], __uint_as_float(w[2 * k] << 16), __uint_as_float(w[2 * k] & 0xffff0000u),
-                      __uint_as_float(w[2 * k + 1] << 16), __uint_as_float(w[2 * k + 1] & 0xffff0000u));
-        return s;
-    } else if (BITS == 4) {
-        // Nibbles 0-4 in place (bits 0-19); nibbles 5-7 after a shift by 12 (bits 8-19).
-        float a0 = 0.0f, a4 = 0.0f, a8 = 0.0f, a12 = 0.0f, a16 = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const uint32_t lo = w[k], hi = w[k] >> 12;
-            const float4 x0 = xv[2 * k], x1 = xv[2 * k + 1];
-            a0 += low_bits_f<4, 0>(lo) * x0.x;
-            a4 += low_bits_f<4, 4>(lo) * x0.y;
-            a8 += low_bits_f<4, 8>(lo) * x0.z;
-            a12 += low_bits_f<4, 12>(lo) * x0.w;
-            a16 += low_bits_f<4, 16>(lo) * x1.x;
-            a8 += low_bits_f<4, 8>(hi) * x1.y;
-            a12 += low_bits_f<4, 12>(hi) * x1.z;
-            a16 += low_bits_f<4, 16>(hi) * x1.w;
-        }
-        const float q = a0 * 8388608.0f + a4 * 524288.0f + a8 * 32768.0f + a12 * 2048.0f + a16 * 128.0f;
-        return scale * q + bias * csum;
-    } else {
+    for (int k = 0; k < N; ++k) xv[k] = lds128(sx.x + (uint32_t)(k * sx.chunks + c) * 16u);
+}
+
+__device__ __forceinline__ float4 as_float4(uint4 v) {
+    return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
+}
+
+// q * 2^(P - 23) for the value at bits [P, P + BITS) of w (P + BITS <= 23), via the bits of 1.0f.
+template <int BITS, int P>
+__device__ __forceinline__ float low_bits_f(uint32_t w) {
+    return __uint_as_float(mask_or(w, ((1u << BITS) - 1u) << P, 0x3F800000u)) - 1.0f;
+}
+
+// Adds one chunk (its 16 bytes in u) dotted with its staged entries xv: a 4-bit chunk's
+// scale * sum(q x / s) to aq (the caller multiplies by s), every other contribution to ab.
+template <int BITS>
+__device__ __forceinline__ void chunk_dot(uint4 u, const uint4 (&xv)[4], float csum, bf16 scale_b, bf16 bias_b,
+                                          float& aq, float& ab) {
+    if (BITS == 4) {
+        __half2 h0 = __float2half2_rn(0.0f), h1 = h0;
+        h0 = word_dot4(u.x, xv[0], h0);
+        h1 = word_dot4(u.y, xv[1], h1);
+        h0 = word_dot4(u.z, xv[2], h0);
+        h1 = word_dot4(u.w, xv[3], h1);
+        const float2 f = __half22float2(__hadd2(h0, h1));
+        aq = fmaf(__bfloat162float(scale_b), f.x + f.y, aq);
+        ab = fmaf(__bfloat162float(bias_b), csum, ab);
+    } else if (BITS == 8) {
         // Bytes 0-1 in place (bits 0-15); bytes 2-3 after a shift by 16.
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
         float a0 = 0.0f, a8 = 0.0f;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const uint32_t lo = w[k], hi = w[k] >> 16;
-            const float4 x = xv[k];
+            const float4 x = as_float4(xv[k]);
             a0 += low_bits_f<8, 0>(lo) * x.x;
             a8 += low_bits_f<8, 8>(lo) * x.y;
             a0 += low_bits_f<8, 0>(hi) * x.z;
             a8 += low_bits_f<8, 8>(hi) * x.w;
         }
-        return scale * (a0 * 8388608.0f + a8 * 32768.0f) + bias * csum;
+        ab = fmaf(__bfloat162float(scale_b), a0 * 8388608.0f + a8 * 32768.0f, ab);
+        ab = fmaf(__bfloat162float(bias_b), csum, ab);
+    } else {
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const float4 x = as_float4(xv[k]);
+            ab += x.x * __uint_as_float(w[2 * k] << 16) + x.y * __uint_as_float(w[2 * k] & 0xffff0000u) +
+                  x.z * __uint_as_float(w[2 * k + 1] << 16) + x.w * __uint_as_float(w[2 * k + 1] & 0xffff0000u);
+        }
     }
 }
 
-// acc[i] += this lane's share of row i's dot product over the pass loaded in p (a warp_sum
-// completes it). SHARED_X: every row multiplies the same staged x, read once per chunk.
-template <int BITS, int R, int U, bool SHARED_X>
-__device__ __forceinline__ void use_pass(const RowRef (&rows)[R], int base, int lane, const Pass<R, U>& p,
-                                         float (&acc)[R]) {
-    float4 xv[8];
-    float cs = 0.0f;
+// This lane's share of R rows' dot products with one staged x (a warp_sum completes each).
+template <int R>
+struct RowSums {
+    float q[R];  // 4-bit: scale * sum(q x / s)
+    float b[R];  // everything else
+    __device__ __forceinline__ void clear() {
+#pragma unroll
+        for (int i = 0; i < R; ++i) q[i] = b[i] = 0.0f;
+    }
+    __device__ __forceinline__ float lane_total(int i, float s) const { return fmaf(q[i], s, b[i]); }
+};
+
+// Adds the pass loaded in p (chunks from `base`) to the rows' sums; every row multiplies the same
+// staged x, read once per chunk.
+template <int BITS, int R, int U>
+__device__ __forceinline__ void use_pass(const RowRef (&rows)[R], const StagedX& sx, int base, int lane,
+                                         const Pass<R, U>& p, RowSums<R>& acc) {
+    uint4 xv[4];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
         const int c = base + j * 32 + lane;
-        if (SHARED_X) {
-            if (c >= rows[0].chunks) continue;
-            load_x<BITS>(rows[0], c, xv);
-            if (BITS != 16) cs = rows[0].csum[c];
-        }
+        if (c >= sx.chunks) continue;
+        load_x<BITS>(sx, c, xv);
+        const float cs = BITS == 16 ? 0.0f : lds32(sx.csum + 4u * c);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            if (rows[i].data == nullptr || c >= rows[i].chunks) continue;
-            if (!SHARED_X) {
-                load_x<BITS>(rows[i], c, xv);
-                if (BITS != 16) cs = rows[i].csum[c];
-            }
-            acc[i] += chunk_dot<BITS>(p.u[i][j], xv, cs, p.scale[i][j], p.bias[i][j]);
+            if (rows[i].data == nullptr) continue;
+            chunk_dot<BITS>(p.u[i][j], xv, cs, p.scale[i][j], p.bias[i][j], acc.q[i], acc.b[i]);
         }
     }
 }
 
-// acc[i] += this lane's share of row i's dot product, for rows of BITS-bit weights with one group
-// size, given the first pass already loaded in p (see load_pass). The x the rows refer to must be
-// staged by now.
-template <int BITS, int R, int U, bool SHARED_X>
-__device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], int max_chunks, int group, int lane, Pass<R, U>& p,
-                                         float (&acc)[R]) {
+// Adds the rows' dot products with the staged x, given the first pass already loaded in p (see
+// load_pass).
+template <int BITS, int R, int U>
+__device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], const StagedX& sx, int group_shift, int lane,
+                                         Pass<R, U>& p, RowSums<R>& acc) {
     for (int base = 0;;) {
-        use_pass<BITS, R, U, SHARED_X>(rows, base, lane, p, acc);
+        use_pass<BITS, R, U>(rows, sx, base, lane, p, acc);
         base += 32 * U;
-        if (base >= max_chunks) break;
-        load_pass<BITS, R, U>(rows, base, group, lane, p);
+        if (base >= sx.chunks) break;
+        load_pass<BITS, R, U>(rows, base, sx.chunks, group_shift, lane, p);
+    }
+}
+
+// y = W x (y += W x when `accumulate`; x RMS-normalised by norm_scale when non-null) by the
+// blocks along x of the grid, persistent over the rows. Each warp computes R rows at a time, U
+// 16-byte chunks of each per lane per pass: R = 4, U = 2
+// for tall matrices; R = 1, U = 4 for short ones, which then spread over more blocks.
+template <int BITS, int R, int U>
+__device__ void matvec_impl(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
+                            int accumulate, float* smem) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int chunks = w.cols / values_per_chunk(BITS);
+    const int stride = gridDim.x * warps * R;
+    float* xs = smem + 64;
+    int row0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * R;
+    RowRef rows[R];
+    Pass<R, U> pass;
+#pragma unroll
+    for (int i = 0; i < R; ++i) rows[i] = row_ref(w, row0 + i);
+    // The first rows' weights are in flight while the previous kernel finishes and x is staged.
+    load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
+    wait_for_previous_kernel();
+    const StageSource src = {x, 0, w.cols, 1, nullptr};
+    stage<BITS>(src, norm_scale, eps, xs, smem);
+    const StagedX sx = staged_x<BITS>(xs, w.cols);
+    while (row0 < w.rows) {
+        RowSums<R> acc;
+        acc.clear();
+        dot_rows<BITS, R, U>(rows, sx, w.group_shift, lane, pass, acc);
+        const int next = row0 + stride;
+        RowRef next_rows[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) next_rows[i] = row_ref(w, next + i);
+        if (next < w.rows) load_pass<BITS, R, U>(next_rows, 0, chunks, w.group_shift, lane, pass);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const float v = warp_sum(acc.lane_total(i, sx.s));
+            const int row = row0 + i;
+            if (lane == 0 && row < w.rows) y[row] = accumulate ? y[row] + v : v;
+            rows[i] = next_rows[i];
+        }
+        row0 = next;
+    }
+}
+
+template <int R, int U>
+__device__ void matvec_bits(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
+                            int accumulate, float* smem) {
+    switch (w.bits) {
+        case 4: matvec_impl<4, R, U>(w, x, norm_scale, eps, y, accumulate, smem); break;
+        case 8: matvec_impl<8, R, U>(w, x, norm_scale, eps, y, accumulate, smem); break;
+        default: matvec_impl<16, R, U>(w, x, norm_scale, eps, y, accumulate, smem); break;
     }
 }
