@@ -45,6 +45,9 @@ const DOWN_ROWS_PER_WARP: usize = 2;
 const ATTENTION_SPLITS: usize = 128;
 /// Threads of an `attention_split` block.
 const ATTENTION_THREADS: u32 = 256;
+/// Positions `attention_split` takes at a time (ATTN_CHUNK); their values are staged in dynamic
+/// shared memory as bf16.
+const ATTENTION_CHUNK: usize = 64;
 /// Dynamic shared memory the staging kernels may use.
 const MAX_DYNAMIC_SHARED_BYTES: usize = 200 * 1024;
 /// Threads of the one `sample_token` block (SAMPLE_THREADS in sample.cu).
@@ -355,6 +358,7 @@ impl CudaBackend {
             &k.moe_gate_up,
             &k.moe_down,
             &k.deltanet_step,
+            &k.attention_split,
         ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -821,7 +825,7 @@ impl CudaBackend {
                                 c.num_key_value_heads as u32,
                                 ATTENTION_SPLITS as u32,
                                 ATTENTION_THREADS,
-                                0,
+                                (ATTENTION_CHUNK * c.head_dim * 2) as u32,
                             ),
                             &mut [
                                 arg(&attn_dims),

@@ -60,10 +60,12 @@ __device__ __forceinline__ int attention_split_len(int len, int max_splits) {
 }
 
 // Block (kv head, split), 256 threads: the split's positions for all query heads of the KV head,
-// ATTN_CHUNK positions at a time. Scores: each warp takes every 8th position of the chunk, a lane
-// 8 dimensions of its key (one 16-byte load). Values: thread t accumulates dimension t of every
-// head. Writes per (head, split): running max, sum and unnormalised output. Splits beyond the
-// context exit at once.
+// ATTN_CHUNK positions at a time. Each chunk's keys (to registers) and values (to shared memory)
+// are requested together up front, so a chunk costs one memory round trip. Scores: each warp
+// takes every 8th position of the chunk, a lane 8 dimensions of its key (one 16-byte load).
+// Values: thread t accumulates dimension t of every head. Writes per (head, split): running max,
+// sum and unnormalised output. Splits beyond the context exit at once.
+// Dynamic shared memory: ATTN_CHUNK * head_dim bf16 (the chunk's values).
 extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims d, const float* q, const bf16* k_cache,
                                                                  const bf16* v_cache, const int* position,
                                                                  float* part_max, float* part_sum, float* part_out) {
@@ -71,6 +73,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
     __shared__ __align__(16) float qs[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
     __shared__ float scores[ATTN_MAX_GROUP][ATTN_CHUNK];
     __shared__ float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP], correction[ATTN_MAX_GROUP];
+    extern __shared__ __align__(16) bf16 values[];  // [ATTN_CHUNK, head_dim]
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int group = d.heads / d.kv_heads, hd = d.head_dim;
@@ -97,13 +100,21 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
     for (int c0 = begin; c0 < end; c0 += ATTN_CHUNK) {
         const int n = min(ATTN_CHUNK, end - c0);
         constexpr int PER_WARP = ATTN_CHUNK / 8;
+        constexpr int V_PER_THREAD = ATTN_CHUNK * (ATTN_MAX_HEAD_DIM / 8) / 256;
         uint4 keys[PER_WARP];
+        uint4 vals[V_PER_THREAD];
 #pragma unroll
         for (int t = 0; t < PER_WARP; ++t) {
             const int p = warp + warps * t;
             keys[t] = p < n && lane < key_lanes
                           ? __ldg(reinterpret_cast<const uint4*>(k_base + (size_t)(c0 + p) * row_stride) + lane)
                           : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < V_PER_THREAD; ++j) {
+            const int i = threadIdx.x + 256 * j, p = i / key_lanes, col = i % key_lanes;
+            vals[j] = p < n ? __ldg(reinterpret_cast<const uint4*>(v_base + (size_t)(c0 + p) * row_stride) + col)
+                            : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int t = 0; t < PER_WARP; ++t) {
@@ -116,17 +127,29 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
                 k[2 * e] = __uint_as_float(w[e] << 16);
                 k[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
             }
-            for (int g = 0; g < group; ++g) {
-                float s = 0.0f;
-                if (lane < key_lanes) {
+            // All heads' partial dot products first, then their reductions: independent shuffles.
+            float s[ATTN_MAX_GROUP];
+#pragma unroll
+            for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+                s[g] = 0.0f;
+                if (g < group && lane < key_lanes) {
                     const float4 a = *reinterpret_cast<const float4*>(qs + g * hd + lane * 8);
                     const float4 b = *reinterpret_cast<const float4*>(qs + g * hd + lane * 8 + 4);
-                    s = a.x * k[0] + a.y * k[1] + a.z * k[2] + a.w * k[3] + b.x * k[4] + b.y * k[5] + b.z * k[6] +
-                        b.w * k[7];
+                    s[g] = a.x * k[0] + a.y * k[1] + a.z * k[2] + a.w * k[3] + b.x * k[4] + b.y * k[5] + b.z * k[6] +
+                           b.w * k[7];
                 }
-                s = warp_sum(s);
-                if (lane == 0) scores[g][p] = s;
             }
+#pragma unroll
+            for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+                if (g >= group) break;
+                const float v = warp_sum(s[g]);
+                if (lane == 0) scores[g][p] = v;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < V_PER_THREAD; ++j) {
+            const int i = threadIdx.x + 256 * j, p = i / key_lanes, col = i % key_lanes;
+            if (p < ATTN_CHUNK) reinterpret_cast<uint4*>(values + (size_t)p * hd)[col] = vals[j];
         }
         __syncthreads();
         // Online softmax: warp w updates heads w, w + 8, ...
@@ -153,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
                 if (g < group) acc[g] *= correction[g];
 #pragma unroll 8
             for (int p = 0; p < n; ++p) {
-                const float v = __bfloat162float(v_base[(size_t)(c0 + p) * row_stride + threadIdx.x]);
+                const float v = __bfloat162float(values[(size_t)p * hd + threadIdx.x]);
 #pragma unroll
                 for (int g = 0; g < ATTN_MAX_GROUP; ++g)
                     if (g < group) acc[g] += scores[g][p] * v;
