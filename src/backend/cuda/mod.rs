@@ -35,19 +35,19 @@ use crate::model::Model;
 
 /// Threads of a mat-vec block (8 warps); also of the MoE blocks.
 const MATVEC_THREADS: u32 = 256;
-/// Resident `matvec` blocks per SM (its registers allow two): one wave of persistent blocks.
-const MATVEC_BLOCKS_PER_SM: usize = 2;
+/// Resident `matvec` blocks per SM (its launch bounds allow three): one wave of persistent blocks.
+const MATVEC_BLOCKS_PER_SM: usize = 3;
 /// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
-const DOWN_ROWS_PER_WARP: usize = 2;
-/// Most context splits of attention decode (flash-decoding); a split covers at least 64 positions.
-const ATTENTION_SPLITS: usize = 128;
+const DOWN_ROWS_PER_WARP: usize = 1;
+/// Most context splits of attention decode (flash-decoding); a split covers at least 32 positions.
+const ATTENTION_SPLITS: usize = 256;
 /// Threads of an `attention_split` block.
 const ATTENTION_THREADS: u32 = 256;
 /// Positions `attention_split` takes at a time (ATTN_CHUNK); their values are staged in dynamic
 /// shared memory as bf16.
-const ATTENTION_CHUNK: usize = 64;
+const ATTENTION_CHUNK: usize = 32;
 /// Dynamic shared memory the staging kernels may use.
 const MAX_DYNAMIC_SHARED_BYTES: usize = 200 * 1024;
 /// Threads of the one `sample_token` block (SAMPLE_THREADS in sample.cu).
@@ -85,7 +85,9 @@ impl DeltaNetShape {
         let cols = vd / splits;
         let rows = (kd * cols / 256).max(1);
         let threads = cols * kd / rows;
-        let fits = kd.is_multiple_of(rows) && rows <= 16 && threads <= 256;
+        // Each thread convolves at most two of the block's 2 * key_dim + cols channels.
+        let fits =
+            kd.is_multiple_of(rows) && rows <= 16 && threads <= 256 && 2 * kd + cols <= 2 * threads;
         (fits && threads.is_multiple_of(32)).then_some(Self {
             splits,
             threads,
@@ -358,7 +360,6 @@ impl CudaBackend {
             &k.moe_gate_up,
             &k.moe_down,
             &k.deltanet_step,
-            &k.attention_split,
         ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -577,19 +578,15 @@ impl CudaBackend {
         Ok(total - free)
     }
 
-    /// Launch shape of `matvec` for `w` and the rows each warp takes at a time: one wave of
-    /// persistent blocks; tall matrices take 4 rows per warp, short ones 1 to use more SMs.
-    fn matvec_cfg(&self, w: &DeviceWeight) -> (LaunchConfig, i32) {
+    /// Launch shape of `matvec` for `w`: a row per warp, at most one wave of persistent blocks.
+    fn matvec_cfg(&self, w: &DeviceWeight) -> LaunchConfig {
         let warps = MATVEC_THREADS as usize / 32;
         let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
-        let rows_per_warp = if w.rows >= resident * warps * 4 { 4 } else { 1 };
-        let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
+        LaunchConfig {
+            grid_dim: (w.rows.div_ceil(warps).min(resident) as u32, 1, 1),
             block_dim: (MATVEC_THREADS, 1, 1),
             shared_mem_bytes: staged_bytes(&[w.cols]),
-        };
-        (cfg, rows_per_warp as i32)
+        }
     }
 
     /// y = W · (x, RMS-normalised by `norm` when given); added to y when `accumulate`.
@@ -606,7 +603,7 @@ impl CudaBackend {
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
-        let (cfg, rows_per_warp) = self.matvec_cfg(w);
+        let cfg = self.matvec_cfg(w);
         // SAFETY: buffers sized at construction for these shapes.
         unsafe {
             self.launch(
@@ -620,7 +617,6 @@ impl CudaBackend {
                     arg(&eps),
                     arg(&y),
                     arg(&acc),
-                    arg(&rows_per_warp),
                 ],
             )
         }?;
@@ -1273,5 +1269,67 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
         ],
         "fill" => &["fill_bf16", "fill_u32"],
         _ => &[],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> ModelConfig {
+        ModelConfig::from_json_str(text).expect("config parses")
+    }
+
+    fn with_linear_dims(key_dim: usize, value_dim: usize) -> ModelConfig {
+        let mut c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
+        c.linear_key_head_dim = key_dim;
+        c.linear_value_head_dim = value_dim;
+        c
+    }
+
+    #[test]
+    fn deltanet_heads_split_over_clusters_of_four_at_full_size() {
+        let shape = DeltaNetShape::of(&with_linear_dims(128, 128)).expect("supported");
+        // 4 blocks of 32 columns; 256 threads own 16 rows each of one column.
+        assert_eq!((shape.splits, shape.threads), (4, 256));
+        assert_eq!(shape.smem, (2 * 128 + 32 + 256 + 32) * 4);
+    }
+
+    #[test]
+    fn deltanet_shapes_of_the_test_fixtures_use_clusters() {
+        for dir in ["tiny-wrapper", "tiny-text", "scripted"] {
+            let path = format!(
+                "{}/tests/fixtures/{dir}/config.json",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let c = config(&std::fs::read_to_string(&path).expect("fixture config"));
+            let shape = DeltaNetShape::of(&c).expect("fixture supported");
+            assert!(
+                shape.splits > 1,
+                "{dir}: the GPU checks should exercise the cluster path"
+            );
+            let cols = c.linear_value_head_dim / shape.splits;
+            assert!(cols >= 8 && shape.threads.is_multiple_of(32), "{dir}");
+            assert!(
+                2 * c.linear_key_head_dim + cols <= 2 * shape.threads,
+                "{dir}"
+            );
+        }
+    }
+
+    #[test]
+    fn deltanet_shapes_the_kernel_cannot_hold_are_refused() {
+        // 32 state rows per thread exceed MAX_ROWS_PER_THREAD.
+        assert!(DeltaNetShape::of(&with_linear_dims(256, 128)).is_none());
+        // 3 columns cannot make whole warps.
+        assert!(DeltaNetShape::of(&with_linear_dims(4, 3)).is_none());
+    }
+
+    #[test]
+    fn staging_reserves_the_widest_layout_after_the_scratch() {
+        // 2048 inputs: the f32 layout (2048 floats) + 256 chunk sums + the 4-bit scale, rounded to
+        // float4s, after 64 floats of scratch.
+        assert_eq!(staged_bytes(&[2048]), (64 + 2048 + 260) * 4);
+        assert_eq!(staged_bytes(&[512, 512]), staged_bytes(&[512]) * 2 - 64 * 4);
     }
 }

@@ -49,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDim
     }
 }
 
-#define ATTN_CHUNK 64
+#define ATTN_CHUNK 32
 #define ATTN_MAX_GROUP 16
 #define ATTN_MAX_HEAD_DIM 256
 
@@ -66,13 +66,13 @@ __device__ __forceinline__ int attention_split_len(int len, int max_splits) {
 // Values: thread t accumulates dimension t of every head. Writes per (head, split): running max,
 // sum and unnormalised output. Splits beyond the context exit at once.
 // Dynamic shared memory: ATTN_CHUNK * head_dim bf16 (the chunk's values).
-extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims d, const float* q, const bf16* k_cache,
-                                                                 const bf16* v_cache, const int* position,
-                                                                 float* part_max, float* part_sum, float* part_out) {
+template <int MAX_GROUP>
+__device__ void attention_split_impl(const AttentionDims& d, const float* q, const bf16* k_cache, const bf16* v_cache,
+                                     const int* position, float* part_max, float* part_sum, float* part_out) {
     wait_for_previous_kernel();
-    __shared__ __align__(16) float qs[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
-    __shared__ float scores[ATTN_MAX_GROUP][ATTN_CHUNK];
-    __shared__ float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP], correction[ATTN_MAX_GROUP];
+    __shared__ __align__(16) float qs[MAX_GROUP * ATTN_MAX_HEAD_DIM];
+    __shared__ float scores[MAX_GROUP][ATTN_CHUNK];
+    __shared__ float run_max[MAX_GROUP], run_sum[MAX_GROUP], correction[MAX_GROUP];
     extern __shared__ __align__(16) bf16 values[];  // [ATTN_CHUNK, head_dim]
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -88,9 +88,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
         run_max[threadIdx.x] = -INFINITY;
         run_sum[threadIdx.x] = 0.0f;
     }
-    float acc[ATTN_MAX_GROUP];
+    float acc[MAX_GROUP];
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_GROUP; ++g) acc[g] = 0.0f;
+    for (int g = 0; g < MAX_GROUP; ++g) acc[g] = 0.0f;
     const int key_lanes = hd / 8;
     const size_t row_stride = (size_t)d.kv_heads * hd;
     const bf16* k_base = k_cache + (size_t)kvh * hd;
@@ -128,9 +128,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
                 k[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
             }
             // All heads' partial dot products first, then their reductions: independent shuffles.
-            float s[ATTN_MAX_GROUP];
+            float s[MAX_GROUP];
 #pragma unroll
-            for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+            for (int g = 0; g < MAX_GROUP; ++g) {
                 s[g] = 0.0f;
                 if (g < group && lane < key_lanes) {
                     const float4 a = *reinterpret_cast<const float4*>(qs + g * hd + lane * 8);
@@ -140,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
                 }
             }
 #pragma unroll
-            for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+            for (int g = 0; g < MAX_GROUP; ++g) {
                 if (g >= group) break;
                 const float v = warp_sum(s[g]);
                 if (lane == 0) scores[g][p] = v;
@@ -154,14 +154,12 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
         __syncthreads();
         // Online softmax: warp w updates heads w, w + 8, ...
         for (int g = warp; g < group; g += warps) {
+            static_assert(ATTN_CHUNK == 32, "the softmax gives each lane one position of the chunk");
             const float s0 = lane < n ? scores[g][lane] : -INFINITY;
-            const float s1 = lane + 32 < n ? scores[g][lane + 32] : -INFINITY;
-            const float m_new = fmaxf(run_max[g], warp_max(fmaxf(s0, s1)));
+            const float m_new = fmaxf(run_max[g], warp_max(s0));
             const float e0 = lane < n ? __expf(s0 - m_new) : 0.0f;
-            const float e1 = lane + 32 < n ? __expf(s1 - m_new) : 0.0f;
             scores[g][lane] = e0;
-            scores[g][lane + 32] = e1;
-            const float sum = warp_sum(e0 + e1);
+            const float sum = warp_sum(e0);
             if (lane == 0) {
                 const float c = __expf(run_max[g] - m_new);
                 correction[g] = c;
@@ -172,13 +170,13 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
         __syncthreads();
         if (threadIdx.x < hd) {
 #pragma unroll
-            for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+            for (int g = 0; g < MAX_GROUP; ++g)
                 if (g < group) acc[g] *= correction[g];
 #pragma unroll 8
             for (int p = 0; p < n; ++p) {
                 const float v = __bfloat162float(values[(size_t)p * hd + threadIdx.x]);
 #pragma unroll
-                for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+                for (int g = 0; g < MAX_GROUP; ++g)
                     if (g < group) acc[g] += scores[g][p] * v;
             }
         }
@@ -192,9 +190,16 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
     }
     if (threadIdx.x < hd) {
 #pragma unroll
-        for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+        for (int g = 0; g < MAX_GROUP; ++g)
             if (g < group) part_out[((size_t)(head0 + g) * d.splits + split) * hd + threadIdx.x] = acc[g];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims d, const float* q, const bf16* k_cache,
+                                                                 const bf16* v_cache, const int* position,
+                                                                 float* part_max, float* part_sum, float* part_out) {
+    if (d.heads / d.kv_heads <= 8) attention_split_impl<8>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
+    else attention_split_impl<ATTN_MAX_GROUP>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
 }
 
 // Merges the splits of each head and applies the output gate sigmoid(gate).

@@ -48,8 +48,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) deltanet_step(DeltaNetDims 
     const int conv_dim = 2 * key_width + d.value_heads * d.value_dim;
     const int cols = d.value_dim / d.splits, col0 = part * cols;
 
-    // The recurrent state does not depend on this step's inputs: its loads go out first.
-    // Thread (c, grp) owns state rows grp, grp + groups, ... of column col0 + c.
+    // Everything but this step's projections was written by earlier steps or is a weight: the
+    // recurrent state, the conv history and the per-head parameters are requested before waiting
+    // for the projections. Thread (c, grp) owns state rows grp, grp + groups, ... of column
+    // col0 + c.
     const int groups = blockDim.x / cols;
     const int c = threadIdx.x % cols, grp = threadIdx.x / cols, dv = col0 + c;
     const int rows = d.key_dim / groups;
@@ -58,10 +60,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) deltanet_step(DeltaNetDims 
 #pragma unroll
     for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i)
         if (i < rows) s[i] = S[(grp + i * groups) * d.value_dim + dv];
-    // The state was last written by this layer's step of the previous token, long finished.
-    wait_for_previous_kernel();
     const int pos = position[0];
     const int slot = pos % d.kernel;
+    const float head_decay = __expf(a_log[h]), head_dt_bias = dt_bias[h], norm_scale = norm_w[dv];
 
     float* q = smem;                 // [key_dim]
     float* k = q + d.key_dim;        // [key_dim]
@@ -69,23 +70,44 @@ extern "C" __global__ void __launch_bounds__(256, 2) deltanet_step(DeltaNetDims 
     float* red = v + cols;           // [groups, cols]
     float* scratch = red + blockDim.x;  // [32]
 
-    // Causal conv + SiLU over the channels this block reads: its key head's q and k, its v columns.
-    const int nq = d.key_dim;
-    for (int i = threadIdx.x; i < 2 * nq + cols; i += blockDim.x) {
-        int ch;
-        float* dst;
-        if (i < nq) { ch = kh * d.key_dim + i; dst = q + i; }
-        else if (i < 2 * nq) { ch = key_width + kh * d.key_dim + (i - nq); dst = k + (i - nq); }
-        else { ch = 2 * key_width + h * d.value_dim + col0 + (i - 2 * nq); dst = v + (i - 2 * nq); }
+    // Causal conv + SiLU over the channels this block reads: its key head's q and k, its v
+    // columns. At most 2 * key_dim + cols <= 2 * blockDim channels: two per thread.
+    const int nq = d.key_dim, channels = 2 * nq + cols;
+    float conv_acc[2];
+    int conv_ch[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = threadIdx.x + r * blockDim.x;
+        int ch = 0;
+        if (i < nq) ch = kh * d.key_dim + i;
+        else if (i < 2 * nq) ch = key_width + kh * d.key_dim + (i - nq);
+        else ch = 2 * key_width + h * d.value_dim + col0 + (i - 2 * nq);
+        conv_ch[r] = ch;
+        float acc = 0.0f;
+        if (i < channels)
+            for (int j = 1; j < d.kernel; ++j) {
+                // Tap kernel-1-j reads the input j steps back.
+                const int ring = (pos - j + d.kernel * 4) % d.kernel;
+                const float past = pos - j >= 0 ? conv_ring[ring * conv_dim + ch] : 0.0f;
+                acc += conv_w[ch * d.kernel + d.kernel - 1 - j] * past;
+            }
+        conv_acc[r] = acc;
+    }
+    wait_for_previous_kernel();
+    const float* zba = proj + conv_dim;
+    const float b = zba[d.value_heads * d.value_dim + h];
+    const float a = zba[d.value_heads * d.value_dim + d.value_heads + h];
+    const float z = zba[h * d.value_dim + dv];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = threadIdx.x + r * blockDim.x;
+        if (i >= channels) continue;
+        const int ch = conv_ch[r];
         const float cur = proj[ch];
-        float acc = conv_w[ch * d.kernel + d.kernel - 1] * cur;
-        for (int j = 1; j < d.kernel; ++j) {
-            // Tap kernel-1-j reads the input j steps back.
-            const int r = (pos - j + d.kernel * 4) % d.kernel;
-            const float past = pos - j >= 0 ? conv_ring[r * conv_dim + ch] : 0.0f;
-            acc += conv_w[ch * d.kernel + d.kernel - 1 - j] * past;
-        }
-        *dst = silu(acc);
+        const float x = silu(conv_acc[r] + conv_w[ch * d.kernel + d.kernel - 1] * cur);
+        if (i < nq) q[i] = x;
+        else if (i < 2 * nq) k[i - nq] = x;
+        else v[i - 2 * nq] = x;
         // q/k channels are read by every block of `ratio` value heads: the first one records them.
         const bool owner = i >= 2 * nq || (h % ratio == 0 && part == 0);
         if (owner) conv_ring[slot * conv_dim + ch] = cur;
@@ -103,11 +125,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) deltanet_step(DeltaNetDims 
     for (int i = threadIdx.x; i < nq; i += blockDim.x) { q[i] *= qinv; k[i] *= kinv; }
     __syncthreads();
 
-    const float* zba = proj + conv_dim;
-    const float b = zba[d.value_heads * d.value_dim + h];
-    const float a = zba[d.value_heads * d.value_dim + d.value_heads + h];
     const float beta = sigmoid(b);
-    const float decay = __expf(-__expf(a_log[h]) * softplus(a + dt_bias[h]));
+    const float decay = __expf(-head_decay * softplus(a + head_dt_bias));
 
     float kv = 0.0f;
 #pragma unroll
@@ -150,7 +169,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) deltanet_step(DeltaNetDims 
     cluster_barrier();
     if (grp == 0) {
         const float inv = rsqrtf(total / d.value_dim + d.eps);
-        const float z = zba[h * d.value_dim + dv];
-        out[h * d.value_dim + dv] = o * inv * norm_w[dv] * silu(z);
+        out[h * d.value_dim + dv] = o * inv * norm_scale * silu(z);
     }
 }

@@ -2,13 +2,12 @@
 // and the embedding lookup. The row arithmetic (and matvec_impl) lives in rowdot.cuh.
 
 // y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds). `norm_scale` non-null:
-// x is RMS-normalised and scaled first. `rows_per_warp`: 4 or 1 (see matvec_impl).
+// x is RMS-normalised and scaled first.
 // Shared memory: 64 + staged_floats(cols) floats.
-extern "C" __global__ void __launch_bounds__(256, 2) matvec(Weight w, const float* x, const float* norm_scale, float eps,
-                                                         float* y, int accumulate, int rows_per_warp) {
+extern "C" __global__ void __launch_bounds__(256, 3) matvec(Weight w, const float* x, const float* norm_scale, float eps,
+                                                         float* y, int accumulate) {
     extern __shared__ __align__(16) float smem[];
-    if (rows_per_warp == 4) matvec_bits<4, 2>(w, x, norm_scale, eps, y, accumulate, smem);
-    else matvec_bits<1, 4>(w, x, norm_scale, eps, y, accumulate, smem);
+    matvec_bits<1, 4>(w, x, norm_scale, eps, y, accumulate, smem);
 }
 
 // x = row `token[0]` of the embedding table, dequantised to f32.

@@ -49,7 +49,7 @@ __device__ void route(const MoeDims& d, float* logits, int* ids, float* weights)
 }
 
 #define GATE_UP_ROWS_PER_WARP 2
-#define DOWN_ROWS_PER_WARP 2
+#define DOWN_ROWS_PER_WARP 1
 #define DOWN_PASS 4
 #define MAX_EXPERTS 1024
 
@@ -184,7 +184,7 @@ __device__ __forceinline__ void down_pass(const MoeDims& d, const Weight& w, con
         for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) {
             const bool valid = v < total && r0 + i < d.hidden;
             const size_t row = valid ? (size_t)ids[e] * d.hidden + r0 + i : 0;
-            p.u[i][j] = valid ? __ldg(reinterpret_cast<const uint4*>(w.data) + row * cps + c) : make_uint4(0, 0, 0, 0);
+            p.u[i][j] = valid ? load_weights(reinterpret_cast<const uint4*>(w.data) + row * cps + c) : make_uint4(0, 0, 0, 0);
             if (BITS != 16) {
                 const size_t g = row * groups + ((c * VPC) >> w.group_shift);
                 p.scale[i][j] = valid ? w.scales[g] : __float2bfloat16(0.0f);
@@ -241,7 +241,7 @@ __device__ void down_shared(const Weight& w, const float* xs, int r0, Pass<DOWN_
 // down: routed experts stacked [experts * hidden, intermediate]; shared_down: [hidden, shared_intermediate].
 // Grid: hidden / (8 warps * DOWN_ROWS_PER_WARP) blocks. Shared memory: 64 + staged_floats(top_k *
 // intermediate) + staged_floats(shared_intermediate) floats.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
+extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual) {
     extern __shared__ __align__(16) float smem[];

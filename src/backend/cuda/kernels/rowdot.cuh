@@ -207,6 +207,19 @@ __device__ __forceinline__ StagedX staged_x(const float* xs, int cols) {
     return v;
 }
 
+// A 16-byte load of weights, which every decode step streams once: marked first to evict from
+// L2 so that they do not push out what is reused (activations, caches, recurrent state, code).
+__device__ __forceinline__ uint4 load_weights(const uint4* p) {
+    uint4 v;
+    asm volatile(
+        "{\n\t.reg .b64 policy;\n\t"
+        "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n\t"
+        "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], policy;\n\t}"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 // One weight row: its 16-byte chunks and, when quantised, one bf16 scale and bias per group.
 struct RowRef {
     const uint4* data;  // null: no row (its result is 0)
@@ -248,7 +261,7 @@ __device__ __forceinline__ void load_pass(const RowRef (&rows)[R], int base, int
         for (int j = 0; j < U; ++j) {
             const int c = base + j * 32 + lane;
             const bool valid = rows[i].data != nullptr && c < chunks;
-            p.u[i][j] = valid ? __ldg(rows[i].data + c) : make_uint4(0, 0, 0, 0);
+            p.u[i][j] = valid ? load_weights(rows[i].data + c) : make_uint4(0, 0, 0, 0);
             if (BITS != 16) {
                 const int g = (c * (128 / BITS)) >> group_shift;
                 p.scale[i][j] = valid ? rows[i].scales[g] : __float2bfloat16(0.0f);
