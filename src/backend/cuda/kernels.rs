@@ -29,6 +29,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("moe", include_str!("kernels/moe.cu")),
     ("sample", include_str!("kernels/sample.cu")),
     ("fill", include_str!("kernels/fill.cu")),
+    ("gemm", include_str!("kernels/gemm.cu")),
 ];
 
 /// Where the CUDA headers NVRTC needs are found.

@@ -11,6 +11,7 @@
 //! recurrent state per DeltaNet layer); a [`CudaState`] holds a slot and gives it back on drop.
 //! Prefill currently runs the decode graph once per prompt token.
 
+mod gemm;
 pub mod kernels;
 pub mod weights;
 
@@ -173,6 +174,8 @@ struct Kernels {
     argmax_final: CudaFunction,
     sample_token: CudaFunction,
     advance_position: CudaFunction,
+    rows_to_half: CudaFunction,
+    gemm_q4: CudaFunction,
 }
 
 /// Activations of one decode step, shared by all sequences (steps run one after another).
@@ -352,6 +355,8 @@ impl CudaBackend {
             argmax_final: get("argmax_final")?,
             sample_token: get("sample_token")?,
             advance_position: get("advance_position")?,
+            rows_to_half: get("rows_to_half")?,
+            gemm_q4: get("gemm_q4")?,
         };
         // Kernels that stage inputs in dynamic shared memory may use more than the default 48 KB.
         for f in [
@@ -1268,6 +1273,7 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "advance_position",
         ],
         "fill" => &["fill_bf16", "fill_u32"],
+        "gemm" => &["rows_to_half", "gemm_q4"],
         _ => &[],
     }
 }

@@ -1,0 +1,137 @@
+// Prefill matrix products on tensor cores: Y[t, n] = sum_k X[t, k] W[n, k] for a block of tokens
+// at once, W in MLX 4-bit (dequantised in registers, never expanded in device memory).
+//
+// mma.sync m16n8k16 (fp16 in, f32 accumulate) with the weight rows as the M side and the tokens
+// as the N side. A dot product does not care in which order it visits k, so each lane takes the
+// k values that are cheap for it: in a 32-bit word of 8 nibbles, lane c of a quad takes nibbles c
+// and c + 4, which one shift and one LOP3 turn into a half2 (1024 + q_c, 1024 + q_{c+4}). The
+// inputs are stored with the same permutation, (0, 4, 1, 5, 2, 6, 3, 7) within each group of 8,
+// so the matching pair of x values is one 32-bit load.
+//
+// fp16 holds x after division by a per-token power of two (|x / s| < 2^15); the products
+// accumulate in f32 and the epilogue multiplies s back.
+
+#define GEMM_ROWS 128  // weight rows per block: 4 warps of 32
+#define GEMM_TOKENS 64 // tokens per block: 2 warps of 32
+#define GEMM_K 32      // inputs per step: one 16-byte chunk of a 4-bit row
+
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Nibbles c and c + 4 of a word as the half2 (scale * q + bias) of each.
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t w, int c, __half2 scale, __half2 bias) {
+    const __half2 q = __hsub2(as_half2(mask_or(w >> (4 * c), 0x000F000Fu, 0x64006400u)), __float2half2_rn(1024.0f));
+    const __half2 v = __hfma2(q, scale, bias);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// x16[t] = x[t] / xscale[t] in fp16, inputs permuted within groups of 8 (see above); xscale[t] is
+// the power of two that brings max |x[t]| under 2^15. One block of 256 threads per token; K a
+// multiple of 8.
+extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, int K, __half* x16, float* xscale) {
+    __shared__ float scratch[64];
+    const size_t t = blockIdx.x;
+    const float* row = x + t * K;
+    float mx = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) mx = fmaxf(mx, fabsf(row[i]));
+    mx = block_sum_max(make_float2(0.0f, mx), scratch).y;
+    const float s = mx > 0.0f ? exp2f(ceilf(log2f(mx)) - 14.0f) : 1.0f;
+    const float r = 1.0f / s;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+        // Position i of the stored row holds input base + (i % 8 even ? (i % 8) / 2 : 4 + (i % 8) / 2).
+        const int base = i & ~7, p = i & 7;
+        const int src = base + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
+        x16[t * K + i] = __float2half_rn(row[src] * r);
+    }
+    if (threadIdx.x == 0) xscale[t] = s;
+}
+
+// y[t, n] = sum_k x[t, k] w[n, k] (added to y when `accumulate`), y row-major [tokens, w.rows];
+// x16 and xscale from rows_to_half. w: 4-bit, group size >= 32. Grid: (ceil(rows / 128),
+// ceil(tokens / 64)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) gemm_q4(Weight w, const __half* x16, const float* xscale, int tokens,
+                                                         float* y, int accumulate) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int row0 = blockIdx.x * GEMM_ROWS + (warp & 3) * 32;
+    const int tok0 = blockIdx.y * GEMM_TOKENS + (warp >> 2) * 32;
+    const int K = w.cols, chunks = K / GEMM_K, groups = K >> w.group_shift;
+    // This lane's weight rows: g, g + 8 of each of the warp's two 16-row tiles.
+    const uint4* wrow[2][2];
+    const bf16* srow[2][2];
+    const bf16* brow[2][2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = min(row0 + 16 * m + 8 * h + g, w.rows - 1);
+            wrow[m][h] = reinterpret_cast<const uint4*>(w.data) + (size_t)r * chunks;
+            srow[m][h] = w.scales + (size_t)r * groups;
+            brow[m][h] = w.biases + (size_t)r * groups;
+        }
+    // This lane's tokens: g of each of the warp's four 8-token tiles.
+    const uint32_t* xrow[4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        const int t = min(tok0 + 8 * n + g, tokens - 1);
+        xrow[n] = reinterpret_cast<const uint32_t*>(x16 + (size_t)t * K);
+    }
+    float acc[2][4][4] = {};
+    for (int kc = 0; kc < chunks; ++kc) {
+        uint4 wv[2][2];
+        __half2 scale[2][2], bias[2][2];
+        const int grp = (kc * GEMM_K) >> w.group_shift;
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                wv[m][h] = load_weights(wrow[m][h] + kc);
+                scale[m][h] = __float2half2_rn(__bfloat162float(srow[m][h][grp]));
+                bias[m][h] = __float2half2_rn(__bfloat162float(brow[m][h][grp]));
+            }
+        // x pairs: word (kc * 32 + 16 j + 2 c) / 2 for slots 2c, 2c+1; + 4 words for 2c+8, 2c+9.
+        uint32_t xb[4][2][2];
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int word = (kc * GEMM_K + 16 * j + 2 * c) / 2;
+                xb[n][j][0] = xrow[n][word];
+                xb[n][j][1] = xrow[n][word + 4];
+            }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                const uint32_t* lo = reinterpret_cast<const uint32_t*>(&wv[m][0]);
+                const uint32_t* hi = reinterpret_cast<const uint32_t*>(&wv[m][1]);
+                // Step j covers words 2j (slots 0-7) and 2j + 1 (slots 8-15) of the chunk.
+                const uint32_t a0 = dequant_pair(lo[2 * j], c, scale[m][0], bias[m][0]);
+                const uint32_t a1 = dequant_pair(hi[2 * j], c, scale[m][1], bias[m][1]);
+                const uint32_t a2 = dequant_pair(lo[2 * j + 1], c, scale[m][0], bias[m][0]);
+                const uint32_t a3 = dequant_pair(hi[2 * j + 1], c, scale[m][1], bias[m][1]);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) mma_f16_16816(acc[m][n], a0, a1, a2, a3, xb[n][j][0], xb[n][j][1]);
+            }
+    }
+    // D fragment: d0, d1 = (row g, tokens 2c, 2c + 1); d2, d3 = (row g + 8, same tokens).
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = row0 + 16 * m + g + (e >= 2 ? 8 : 0);
+                const int t = tok0 + 8 * n + 2 * c + (e & 1);
+                if (r >= w.rows || t >= tokens) continue;
+                const float v = acc[m][n][e] * xscale[t];
+                float* out = y + (size_t)t * w.rows + r;
+                *out = accumulate ? *out + v : v;
+            }
+}
