@@ -17,6 +17,9 @@ use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
 use lily::model::{Model, Storage};
 use lily::quant::QuantSpec;
 
+mod common;
+use common::relative_error;
+
 /// How many calibration spreads the GPU may differ by.
 const SPREADS: f32 = 3.0;
 
@@ -34,15 +37,6 @@ fn prompts(dir: &Path) -> Vec<Vec<u32>> {
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
     serde_json::from_value(meta["prompts"].clone()).unwrap()
-}
-
-fn relative_error(got: &[f32], want: &[f32]) -> f32 {
-    let diff = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
-    diff / want.iter().map(|v| v.abs()).fold(0.0, f32::max)
 }
 
 fn cuda(model: &Model, sequences: usize) -> CudaBackend {

@@ -14,6 +14,9 @@ use lily::model::Model;
 use lily::quant::QuantSpec;
 use safetensors::{Dtype, SafeTensors};
 
+mod common;
+use common::relative_error;
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
@@ -89,15 +92,6 @@ fn compare(reference: &[f32], quantised: &[f32], vocab: usize) -> (f64, f64) {
         agree += usize::from(argmax(r) == argmax(q));
     }
     (kl_sum / rows as f64, agree as f64 / rows as f64)
-}
-
-fn relative_error(got: &[f32], want: &[f32]) -> f32 {
-    let diff = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
-    diff / want.iter().map(|v| v.abs()).fold(0.0, f32::max)
 }
 
 fn prefill_all(b: &CpuBackend, prompt: &[u32]) -> Vec<f32> {

@@ -121,6 +121,57 @@ struct MoeDims {
     eps: f32,
 }
 
+impl DeltaNetDims {
+    fn new(c: &ModelConfig, splits: usize) -> Self {
+        Self {
+            key_heads: c.linear_num_key_heads as i32,
+            value_heads: c.linear_num_value_heads as i32,
+            key_dim: c.linear_key_head_dim as i32,
+            value_dim: c.linear_value_head_dim as i32,
+            kernel: c.linear_conv_kernel_dim as i32,
+            splits: splits as i32,
+            eps: c.rms_norm_eps,
+        }
+    }
+}
+
+impl AttentionDims {
+    fn new(c: &ModelConfig, max_context: usize, splits: usize) -> Self {
+        Self {
+            heads: c.num_attention_heads as i32,
+            kv_heads: c.num_key_value_heads as i32,
+            head_dim: c.head_dim as i32,
+            rotary_dim: c.rotary_dim as i32,
+            max_context: max_context as i32,
+            splits: splits as i32,
+            eps: c.rms_norm_eps,
+            rope_theta: c.rope_theta as f32,
+        }
+    }
+}
+
+impl MoeDims {
+    fn new(c: &ModelConfig) -> Self {
+        Self {
+            experts: c.num_experts as i32,
+            top_k: c.num_experts_per_tok as i32,
+            intermediate: c.moe_intermediate_size as i32,
+            shared_intermediate: c.shared_expert_intermediate_size as i32,
+            hidden: c.hidden_size as i32,
+            eps: c.rms_norm_eps,
+        }
+    }
+}
+
+/// Dynamic shared memory of `moe_down`: the routed activations staged one after another, then
+/// the shared expert's.
+fn moe_down_smem(c: &ModelConfig) -> u32 {
+    staged_bytes(&[
+        c.moe_intermediate_size * c.num_experts_per_tok,
+        c.shared_expert_intermediate_size,
+    ])
+}
+
 // SAFETY: plain old data mirroring the structs of the same names in the kernel sources.
 unsafe impl DeviceRepr for DeltaNetDims {}
 unsafe impl DeviceRepr for AttentionDims {}
@@ -422,11 +473,7 @@ impl CudaBackend {
         .unwrap_or(0);
         ensure!(
             staged_bytes(&[widest]) as usize <= MAX_DYNAMIC_SHARED_BYTES
-                && staged_bytes(&[
-                    c.moe_intermediate_size * c.num_experts_per_tok,
-                    c.shared_expert_intermediate_size,
-                ]) as usize
-                    <= MAX_DYNAMIC_SHARED_BYTES,
+                && moe_down_smem(c) as usize <= MAX_DYNAMIC_SHARED_BYTES,
             "layer widths too large for the CUDA kernels' shared-memory staging"
         );
         let heads_hd = c.num_attention_heads * c.head_dim;
@@ -711,7 +758,6 @@ impl CudaBackend {
         let (x, proj, core) = (p(&sc.x), p(&sc.proj), p(&sc.core));
         let position = ptr(&slot.position, s);
         let token = ptr(&slot.token, s);
-        let eps = c.rms_norm_eps;
 
         let embed = m.embed.desc(s);
         // SAFETY: x holds hidden_size floats; the token is checked on the host.
@@ -725,25 +771,8 @@ impl CudaBackend {
         }?;
 
         let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
-        let gdn_dims = DeltaNetDims {
-            key_heads: c.linear_num_key_heads as i32,
-            value_heads: c.linear_num_value_heads as i32,
-            key_dim: c.linear_key_head_dim as i32,
-            value_dim: c.linear_value_head_dim as i32,
-            kernel: c.linear_conv_kernel_dim as i32,
-            splits: gdn.splits as i32,
-            eps,
-        };
-        let attn_dims = AttentionDims {
-            heads: c.num_attention_heads as i32,
-            kv_heads: c.num_key_value_heads as i32,
-            head_dim: c.head_dim as i32,
-            rotary_dim: c.rotary_dim as i32,
-            max_context: self.max_context as i32,
-            splits: ATTENTION_SPLITS as i32,
-            eps,
-            rope_theta: c.rope_theta as f32,
-        };
+        let gdn_dims = DeltaNetDims::new(c, gdn.splits);
+        let attn_dims = AttentionDims::new(c, self.max_context, ATTENTION_SPLITS);
 
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
@@ -927,14 +956,7 @@ impl CudaBackend {
         let (c, s, sc) = (&self.config, &self.stream, &self.scratch);
         let router = ptr(&sc.router_logits, s);
         let post = ptr(&layer.post_norm, s);
-        let dims = MoeDims {
-            experts: c.num_experts as i32,
-            top_k: c.num_experts_per_tok as i32,
-            intermediate: c.moe_intermediate_size as i32,
-            shared_intermediate: c.shared_expert_intermediate_size as i32,
-            hidden: c.hidden_size as i32,
-            eps: c.rms_norm_eps,
-        };
+        let dims = MoeDims::new(c);
         let (act, ids, weights) = (ptr(&sc.act, s), ptr(&sc.ids, s), ptr(&sc.weights, s));
         let (r, g, u, sg, su) = (
             layer.router.desc(s),
@@ -991,10 +1013,7 @@ impl CudaBackend {
         }?;
 
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        let smem = staged_bytes(&[
-            c.moe_intermediate_size * c.num_experts_per_tok,
-            c.shared_expert_intermediate_size,
-        ]);
+        let smem = moe_down_smem(c);
         let blocks =
             c.hidden_size
                 .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;

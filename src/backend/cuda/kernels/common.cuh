@@ -52,6 +52,16 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(t);
 }
 
+// Maximum over the block; every thread gets the result. `scratch` holds at least 32 floats.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_max(lane < warps ? scratch[lane] : -INFINITY);
+}
+
 // Programmatic dependent launch (sm_90): the host launches every decode kernel so that it may
 // start while the previous kernel finishes. A kernel first issues what depends only on its
 // weights, then calls wait_for_previous_kernel() before it reads or writes anything else; after

@@ -90,15 +90,6 @@ __device__ __forceinline__ float gumbel(unsigned long long seed, int i) {
     return -logf(-logf(u));
 }
 
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    return warp_max(lane < warps ? scratch[lane] : -INFINITY);
-}
-
 // Weight 2^32 * exp((l - max) / T) of a logit, as fixed point (at most 2^32).
 __device__ __forceinline__ unsigned long long fixed_weight(float l, float max_logit, float inv_t) {
     return (unsigned long long)(__expf((l - max_logit) * inv_t) * 4294967296.0f);
