@@ -42,8 +42,14 @@ impl CudaBackend {
         let (xp, x16p, sp, yp) = (ptr(&x_dev, s), ptr(&x16, s), ptr(&xscale, s), ptr(&y, s));
         let (cols, n) = (w.cols as i32, tokens as i32);
         let accumulate = 0i32;
+        let (no_norm, eps) = (0u64, 0.0f32);
         let mut b = s.launch_builder(&self.k.rows_to_half);
-        b.arg(&xp).arg(&cols).arg(&x16p).arg(&sp);
+        b.arg(&xp)
+            .arg(&cols)
+            .arg(&no_norm)
+            .arg(&eps)
+            .arg(&x16p)
+            .arg(&sp);
         let cfg = LaunchConfig {
             grid_dim: (tokens as u32, 1, 1),
             block_dim: (256, 1, 1),

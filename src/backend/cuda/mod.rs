@@ -13,6 +13,7 @@
 
 mod gemm;
 pub mod kernels;
+mod prefill;
 pub mod weights;
 
 use std::ffi::c_void;
@@ -34,6 +35,8 @@ use super::{Backend, DeviceDraw, LogitsFor};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
 
+/// The token count of a decode step's launches (kernels that also take a prefill chunk).
+const ONE_TOKEN: i32 = 1;
 /// Threads of a mat-vec block (8 warps); also of the MoE blocks.
 const MATVEC_THREADS: u32 = 256;
 /// Resident `matvec` blocks per SM (its launch bounds allow three): one wave of persistent blocks.
@@ -70,7 +73,8 @@ struct DeltaNetDims {
 
 /// How `deltanet_step` spreads a head's [key_dim, value_dim] state: a cluster of `splits` blocks
 /// owning value_dim / splits columns each, `threads` threads per block that each own a slice of
-/// one column's rows (at most 16, the kernel's MAX_ROWS_PER_THREAD).
+/// one column's rows (at most 16, the kernel's MAX_ROWS_PER_THREAD); conv kernels of at most 4
+/// taps (MAX_CONV_KERNEL).
 struct DeltaNetShape {
     splits: usize,
     threads: usize,
@@ -215,6 +219,7 @@ struct Kernels {
     matvec: CudaFunction,
     embed: CudaFunction,
     deltanet_step: CudaFunction,
+    deltanet_conv_ring: CudaFunction,
     attention_prepare: CudaFunction,
     attention_split: CudaFunction,
     attention_combine: CudaFunction,
@@ -336,6 +341,8 @@ pub struct CudaBackend {
     max_context: usize,
     use_graphs: bool,
     num_sms: u32,
+    /// Chunk activations of the prefill path, allocated on first use.
+    prefill: Mutex<Option<prefill::PrefillScratch>>,
 }
 
 /// Options of the CUDA backend.
@@ -396,6 +403,7 @@ impl CudaBackend {
             matvec: get("matvec")?,
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
+            deltanet_conv_ring: get("deltanet_conv_ring")?,
             attention_prepare: get("attention_prepare")?,
             attention_split: get("attention_split")?,
             attention_combine: get("attention_combine")?,
@@ -519,6 +527,7 @@ impl CudaBackend {
             max_context: opts.max_context,
             use_graphs: opts.use_graphs,
             num_sms,
+            prefill: Mutex::new(None),
         })
     }
 
@@ -810,6 +819,7 @@ impl CudaBackend {
                                 arg(&nw),
                                 arg(&rec),
                                 arg(&position),
+                                arg(&ONE_TOKEN),
                                 arg(&core),
                             ],
                         )
@@ -943,7 +953,7 @@ impl CudaBackend {
                         "advance_position",
                         &self.k.advance_position,
                         cfg(1, 1, 1, 0),
-                        &mut [arg(&position)],
+                        &mut [arg(&position), arg(&ONE_TOKEN)],
                     )
                 }?;
             }
@@ -1012,19 +1022,38 @@ impl CudaBackend {
             )
         }?;
 
+        self.moe_down_launch(layer, &dims, act, ids, weights, x, 1)
+    }
+
+    /// `moe_down` for `tokens` rows: every slot's down projection, weighted, added to the
+    /// residual rows `x`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_down_launch(
+        &self,
+        layer: &weights::DeviceLayer,
+        dims: &MoeDims,
+        act: u64,
+        ids: u64,
+        weights: u64,
+        x: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
         let smem = moe_down_smem(c);
         let blocks =
             c.hidden_size
                 .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
-        // SAFETY: as above; each output row is owned by one warp.
+        let mut launch = cfg(blocks, 1, MATVEC_THREADS, smem);
+        launch.grid_dim.2 = tokens as u32;
+        // SAFETY: act, ids and weights hold `tokens` rows; each output row is owned by one warp.
         unsafe {
             self.launch(
                 "moe_down",
                 &self.k.moe_down,
-                cfg(blocks, 1, MATVEC_THREADS, smem),
+                launch,
                 &mut [
-                    arg(&dims),
+                    arg(dims),
                     arg(&d),
                     arg(&sd),
                     arg(&act),
@@ -1220,10 +1249,12 @@ impl Backend for CudaBackend {
     fn prefill(&self, state: &mut CudaState, tokens: &[u32], which: LogitsFor) -> Result<Vec<f32>> {
         ensure!(!tokens.is_empty(), "prefill needs at least one token");
         let mut out = Vec::new();
-        for (i, &t) in tokens.iter().enumerate() {
-            self.step(state, t, StepEnd::Logits)?;
-            if which == LogitsFor::All || i + 1 == tokens.len() {
-                out.extend(self.read_logits()?);
+        let chunks = tokens.chunks(prefill::PREFILL_CHUNK);
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.enumerate() {
+            let logits = self.prefill_chunk(state, chunk, which)?;
+            if which == LogitsFor::All || i == last {
+                out.extend(logits);
             }
         }
         Ok(out)
@@ -1282,7 +1313,7 @@ fn staged_bytes(widths: &[usize]) -> u32 {
 fn kernel_names(module: &str) -> &'static [&'static str] {
     match module {
         "matvec" => &["matvec", "embed"],
-        "deltanet" => &["deltanet_step"],
+        "deltanet" => &["deltanet_step", "deltanet_conv_ring"],
         "attention" => &["attention_prepare", "attention_split", "attention_combine"],
         "moe" => &["moe_router_shared", "moe_gate_up", "moe_down"],
         "sample" => &[

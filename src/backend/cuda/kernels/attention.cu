@@ -10,9 +10,15 @@ struct AttentionDims {
     float rope_theta;
 };
 
-// proj: [heads * 2 * head_dim (per head: query, gate) | kv_heads * head_dim (k) | kv (v)].
-// Writes q (normed, rotated) and appends k, v at `position` to the bf16 caches [ctx, kv, hd].
-// Launch: heads + kv_heads blocks of head_dim threads.
+// Floats of one token's projection: [heads * 2 * head_dim (per head: query, gate) |
+// kv_heads * head_dim (k) | kv_heads * head_dim (v)].
+__device__ __forceinline__ int attention_proj_width(const AttentionDims& d) {
+    return (2 * d.heads + 2 * d.kv_heads) * d.head_dim;
+}
+
+// Writes q (normed, rotated) and appends k, v at their positions to the bf16 caches [ctx, kv, hd]
+// for tokens at positions position[0] + t, t = blockIdx.y (proj and q_out rows one per token).
+// Launch: (heads + kv_heads, tokens) blocks of head_dim threads.
 extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDims d, const float* proj, const float* q_norm,
                                              const float* k_norm, const int* position, float* q_out,
                                              bf16* k_cache, bf16* v_cache) {
@@ -20,7 +26,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDim
     __shared__ float scratch[32];
     extern __shared__ float head[];
     const int b = blockIdx.x, i = threadIdx.x, hd = d.head_dim;
-    const int pos = position[0];
+    // Token blockIdx.y of a run of tokens at consecutive positions.
+    const int t = blockIdx.y;
+    const int pos = position[0] + t;
+    proj += (size_t)t * attention_proj_width(d);
+    q_out += (size_t)t * d.heads * hd;
     const bool is_q = b < d.heads;
     const int kvh = b - d.heads;
     const float* src = is_q ? proj + (size_t)b * 2 * hd : proj + (size_t)d.heads * 2 * hd + (size_t)kvh * hd;
@@ -59,7 +69,7 @@ __device__ __forceinline__ int attention_split_len(int len, int max_splits) {
     return max(ATTN_CHUNK, (per + ATTN_CHUNK - 1) / ATTN_CHUNK * ATTN_CHUNK);
 }
 
-// Block (kv head, split), 256 threads: the split's positions for all query heads of the KV head,
+// Block (kv head, split, token), 256 threads: the split's positions for all query heads of the KV head,
 // ATTN_CHUNK positions at a time. Each chunk's keys (to registers) and values (to shared memory)
 // are requested together up front, so a chunk costs one memory round trip. Scores: each warp
 // takes every 8th position of the chunk, a lane 8 dimensions of its key (one 16-byte load).
@@ -74,10 +84,16 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     __shared__ float scores[MAX_GROUP][ATTN_CHUNK];
     __shared__ float run_max[MAX_GROUP], run_sum[MAX_GROUP], correction[MAX_GROUP];
     extern __shared__ __align__(16) bf16 values[];  // [ATTN_CHUNK, head_dim]
-    const int kvh = blockIdx.x, split = blockIdx.y;
+    // Token blockIdx.z of a run of tokens at consecutive positions attends to positions
+    // [0, position[0] + token].
+    const int kvh = blockIdx.x, split = blockIdx.y, token = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int group = d.heads / d.kv_heads, hd = d.head_dim;
-    const int len = position[0] + 1;
+    const int len = position[0] + token + 1;
+    q += (size_t)token * d.heads * hd;
+    part_max += (size_t)token * d.heads * d.splits;
+    part_sum += (size_t)token * d.heads * d.splits;
+    part_out += (size_t)token * d.heads * d.splits * hd;
     const int per = attention_split_len(len, d.splits);
     const int begin = split * per;
     if (begin >= len) return;
@@ -202,8 +218,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims 
     else attention_split_impl<ATTN_MAX_GROUP>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
 }
 
-// Merges the splits of each head and applies the output gate sigmoid(gate).
-// Launch: heads blocks of head_dim threads; splits (at most 1024) are shared out over them.
+// Merges the splits of each head and applies the output gate sigmoid(gate), for token
+// t = blockIdx.y at position position[0] + t. Launch: (heads, tokens) blocks of head_dim threads;
+// splits (at most 1024) are shared out over them.
 extern "C" __global__ void __launch_bounds__(256) attention_combine(AttentionDims d, const float* proj,
                                                                    const int* position, const float* part_max,
                                                                    const float* part_sum, const float* part_out,
@@ -211,10 +228,15 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(AttentionDim
     wait_for_previous_kernel();
     __shared__ float scratch[32];
     __shared__ float split_weight[1024];
-    const int head = blockIdx.x, i = threadIdx.x, hd = d.head_dim;
-    const int len = position[0] + 1;
+    const int head = blockIdx.x, i = threadIdx.x, hd = d.head_dim, t = blockIdx.y;
+    const int len = position[0] + t + 1;
     const int per = attention_split_len(len, d.splits);
     const int splits = (len + per - 1) / per;
+    proj += (size_t)t * attention_proj_width(d);
+    out += (size_t)t * d.heads * hd;
+    part_max += (size_t)t * d.heads * d.splits;
+    part_sum += (size_t)t * d.heads * d.splits;
+    part_out += (size_t)t * d.heads * d.splits * hd;
     const float* pm = part_max + (size_t)head * d.splits;
     const float* ps = part_sum + (size_t)head * d.splits;
     float m = -INFINITY;

@@ -31,23 +31,32 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t w, int c, __half2 scal
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// x16[t] = x[t] / xscale[t] in fp16, inputs permuted within groups of 8 (see above); xscale[t] is
-// the power of two that brings max |x[t]| under 2^15. One block of 256 threads per token; K a
-// multiple of 8.
-extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, int K, __half* x16, float* xscale) {
+// x16[t] = x[t] / xscale[t] in fp16 (RMS-normalised and scaled by norm_scale first when it is
+// non-null), inputs permuted within groups of 8 (see above); xscale[t] is the power of two that
+// brings max |x[t]| under 2^15. One block of 256 threads per token; K a multiple of 8.
+extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, int K, const float* norm_scale, float eps,
+                                                              __half* x16, float* xscale) {
     __shared__ float scratch[64];
+    wait_for_previous_kernel();
     const size_t t = blockIdx.x;
     const float* row = x + t * K;
-    float mx = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) mx = fmaxf(mx, fabsf(row[i]));
-    mx = block_sum_max(make_float2(0.0f, mx), scratch).y;
+    float ss = 0.0f, mx = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+        const float v = row[i];
+        ss += v * v;
+        mx = fmaxf(mx, fabsf(norm_scale != nullptr ? v * norm_scale[i] : v));
+    }
+    const float2 st = block_sum_max(make_float2(ss, mx), scratch);
+    const float inv = norm_scale != nullptr ? rsqrtf(st.x / K + eps) : 1.0f;
+    mx = st.y * inv;
     const float s = mx > 0.0f ? exp2f(ceilf(log2f(mx)) - 14.0f) : 1.0f;
-    const float r = 1.0f / s;
+    const float r = inv / s;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
         // Position i of the stored row holds input base + (i % 8 even ? (i % 8) / 2 : 4 + (i % 8) / 2).
         const int base = i & ~7, p = i & 7;
         const int src = base + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
-        x16[t * K + i] = __float2half_rn(row[src] * r);
+        const float v = row[src] * r;
+        x16[t * K + i] = __float2half_rn(norm_scale != nullptr ? v * norm_scale[src] : v);
     }
     if (threadIdx.x == 0) xscale[t] = s;
 }
@@ -57,6 +66,7 @@ extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, i
 // ceil(tokens / 64)), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) gemm_q4(Weight w, const __half* x16, const float* xscale, int tokens,
                                                          float* y, int accumulate) {
+    wait_for_previous_kernel();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int row0 = blockIdx.x * GEMM_ROWS + (warp & 3) * 32;

@@ -2,19 +2,22 @@
 // and the embedding lookup. The row arithmetic (and matvec_impl) lives in rowdot.cuh.
 
 // y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds). `norm_scale` non-null:
-// x is RMS-normalised and scaled first.
+// x is RMS-normalised and scaled first. Several tokens at once: blockIdx.y is the token, whose x
+// and y rows follow each other (w.cols and w.rows floats apart).
 // Shared memory: 64 + staged_floats(cols) floats.
 extern "C" __global__ void __launch_bounds__(256, 3) matvec(Weight w, const float* x, const float* norm_scale, float eps,
                                                          float* y, int accumulate) {
     extern __shared__ __align__(16) float smem[];
-    matvec_bits<1, 4>(w, x, norm_scale, eps, y, accumulate, smem);
+    const size_t t = blockIdx.y;
+    matvec_bits<1, 4>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
 }
 
-// x = row `token[0]` of the embedding table, dequantised to f32.
+// x[t] = row `token[t]` of the embedding table, dequantised to f32; blockIdx.y is t.
 extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* token, float* x) {
     wait_for_previous_kernel();
-    const int row = token[0];
+    const int row = token[blockIdx.y];
     const int cols = w.cols;
+    x += (size_t)blockIdx.y * cols;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < cols; i += gridDim.x * blockDim.x) {
         float v;
         if (w.bits == 16) {

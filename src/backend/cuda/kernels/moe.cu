@@ -48,6 +48,12 @@ __device__ void route(const MoeDims& d, float* logits, int* ids, float* weights)
     }
 }
 
+// Several tokens at once: blockIdx.z is the token; its rows of the residual stream, router
+// logits, activations and routing follow each other at these widths.
+__device__ __forceinline__ int act_width(const MoeDims& d) {
+    return (d.top_k + 1) * max(d.intermediate, d.shared_intermediate);
+}
+
 #define GATE_UP_ROWS_PER_WARP 2
 #define DOWN_ROWS_PER_WARP 1
 #define DOWN_PASS 4
@@ -117,12 +123,16 @@ __device__ void gate_up_block(const MoeDims& d, const Weight& g, const Weight& u
 // then the shared-expert gate's) into router_logits, blocks with blockIdx.y == 1 the shared
 // expert's act[top_k] = silu(gate · x) * (up · x); x = RMSNorm(residual) for both.
 // Grid: (max(router row blocks of 8 warps, shared row blocks of 8 warps * GATE_UP_ROWS_PER_WARP
-// rows), 2). Shared memory: 64 + staged_floats(hidden) floats.
+// rows), 2, tokens). Shared memory: 64 + staged_floats(hidden) floats.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d, Weight router, Weight shared_gate,
                                                                     Weight shared_up, const float* residual,
                                                                     const float* norm_scale, float* router_logits,
                                                                     float* act) {
     extern __shared__ __align__(16) float smem[];
+    const size_t token = blockIdx.z;
+    residual += token * d.hidden;
+    router_logits += token * (d.experts + 1);
+    act += token * act_width(d);
     if (blockIdx.y == 0) {
         matvec_bits<1, 4>(router, residual, norm_scale, d.eps, router_logits, 0, smem);
         return;
@@ -137,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
 
 // act[slot] = silu(gate_e · x) * (up_e · x) for each routed slot's expert, x = RMSNorm(residual).
 // gate/up: routed experts stacked [experts * intermediate, hidden].
-// Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k). Every block routes (from
+// Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k, tokens). Every block routes (from
 // the router logits, by its last warp, before staging ends); block (0, 0) also writes the
 // routing to ids_out/weights_out. Shared memory: 64 + staged_floats(hidden) floats.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
@@ -147,6 +157,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weig
     __shared__ float logits[MAX_EXPERTS + 1];
     __shared__ int ids[MAX_TOP_K + 1];
     __shared__ float weights[MAX_TOP_K + 1];
+    const size_t token = blockIdx.z;
+    residual += token * d.hidden;
+    router_logits += token * (d.experts + 1);
+    act += token * act_width(d);
+    ids_out += token * (d.top_k + 1);
+    weights_out += token * (d.top_k + 1);
     // The router logits come from the previous kernel.
     wait_for_previous_kernel();
     for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) logits[e] = router_logits[e];
@@ -239,13 +255,18 @@ __device__ void down_shared(const Weight& w, const float* xs, int r0, Pass<DOWN_
 // residual[r] += sum over routed slots of weight[slot] * (down_e · act[slot])[r]
 //              + weight[shared] * (shared_down · act[shared])[r].
 // down: routed experts stacked [experts * hidden, intermediate]; shared_down: [hidden, shared_intermediate].
-// Grid: hidden / (8 warps * DOWN_ROWS_PER_WARP) blocks. Shared memory: 64 + staged_floats(top_k *
+// Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP), 1, tokens). Shared memory: 64 + staged_floats(top_k *
 // intermediate) + staged_floats(shared_intermediate) floats.
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual) {
     extern __shared__ __align__(16) float smem[];
     __shared__ int ids[MAX_TOP_K + 1];
+    const size_t token = blockIdx.z;
+    act += token * act_width(d);
+    ids_in += token * (d.top_k + 1);
+    weights_in += token * (d.top_k + 1);
+    residual += token * d.hidden;
     const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * DOWN_ROWS_PER_WARP;
     // The shared expert's rows do not depend on the routing: they go out first.
     Pass<DOWN_ROWS_PER_WARP, 1> shared_pass;

@@ -46,10 +46,11 @@ extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_
     }
 }
 
-// Advances the position counter when the host picks the token itself (sampling on the host).
-extern "C" __global__ void advance_position(int* position) {
+// Advances the position counter by `by`: after a step whose token the host picks (sampling on
+// the host), or after a prefill chunk.
+extern "C" __global__ void advance_position(int* position, int by) {
     wait_for_previous_kernel();
-    position[0] += 1;
+    position[0] += by;
 }
 
 // Sampling on the device: temperature, top-k, top-p and min-p filters, then one draw, by a single

@@ -1,0 +1,499 @@
+//! Prefill: a prompt goes through the model a chunk of tokens at a time, layer by layer over the
+//! whole chunk. 4-bit projections run on tensor cores for the chunk at once (gemm.rs); other
+//! weights, the MoE experts and the recurrences (DeltaNet state, the KV cache) run the decode
+//! kernels with the chunk's tokens along a grid dimension, the recurrences token by token inside
+//! their kernels. Scratch is sized for one chunk, so a prompt of any length fits.
+
+use anyhow::{Context, Result, ensure};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use super::weights::{DeviceMixer, DeviceWeight, ptr};
+use super::{
+    ATTENTION_CHUNK, ATTENTION_THREADS, AttentionDims, CudaBackend, CudaState, DeltaNetDims,
+    DeltaNetShape, GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeDims, arg, cfg, staged_bytes,
+};
+use crate::backend::LogitsFor;
+
+/// Tokens per prefill chunk.
+pub(super) const PREFILL_CHUNK: usize = 256;
+/// Context splits per query token of the chunk's attention (each split walks its positions).
+const PREFILL_ATTENTION_SPLITS: usize = 4;
+/// Weight rows and tokens one `gemm_q4` block covers (GEMM_ROWS, GEMM_TOKENS in gemm.cu).
+pub(super) const GEMM_ROWS: usize = 128;
+pub(super) const GEMM_TOKENS: usize = 64;
+
+/// Activations of one prefill chunk, row per token.
+pub(super) struct PrefillScratch {
+    tokens: CudaSlice<i32>,
+    x: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    core: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    part_max: CudaSlice<f32>,
+    part_sum: CudaSlice<f32>,
+    part_out: CudaSlice<f32>,
+    router_logits: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    /// Inputs of a tensor-core product in fp16, and each token's power-of-two scale.
+    x16: CudaSlice<u16>,
+    xscale: CudaSlice<f32>,
+}
+
+impl PrefillScratch {
+    pub(super) fn new(stream: &Arc<CudaStream>, b: &CudaBackend) -> Result<Self> {
+        let c = &b.config;
+        let n = PREFILL_CHUNK;
+        let heads_hd = c.num_attention_heads * c.head_dim;
+        let proj = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
+            .max(2 * heads_hd + 2 * c.num_key_value_heads * c.head_dim);
+        let widest = c
+            .hidden_size
+            .max(c.linear_value_dim())
+            .max(heads_hd)
+            .max(c.moe_intermediate_size)
+            .max(c.shared_expert_intermediate_size);
+        let inter = c
+            .moe_intermediate_size
+            .max(c.shared_expert_intermediate_size);
+        let slots = c.num_experts_per_tok + 1;
+        let z = |len: usize| stream.alloc_zeros::<f32>(len.max(1));
+        Ok(Self {
+            tokens: stream.alloc_zeros::<i32>(n)?,
+            x: z(n * c.hidden_size)?,
+            proj: z(n * proj)?,
+            core: z(n * c.linear_value_dim().max(heads_hd))?,
+            q: z(n * heads_hd)?,
+            part_max: z(n * c.num_attention_heads * PREFILL_ATTENTION_SPLITS)?,
+            part_sum: z(n * c.num_attention_heads * PREFILL_ATTENTION_SPLITS)?,
+            part_out: z(n * heads_hd * PREFILL_ATTENTION_SPLITS)?,
+            router_logits: z(n * (c.num_experts + 1))?,
+            act: z(n * slots * inter)?,
+            ids: stream.alloc_zeros::<i32>(n * slots)?,
+            weights: z(n * slots)?,
+            x16: stream.alloc_zeros::<u16>(n * widest)?,
+            xscale: z(n)?,
+        })
+    }
+}
+
+impl CudaBackend {
+    /// Runs `tokens` (at most PREFILL_CHUNK) from the state's position and returns the logits of
+    /// every token (`LogitsFor::All`) or of the last.
+    pub(super) fn prefill_chunk(
+        &self,
+        state: &mut CudaState,
+        tokens: &[u32],
+        which: LogitsFor,
+    ) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        ensure!(
+            (1..=PREFILL_CHUNK).contains(&n),
+            "a prefill chunk holds 1 to {PREFILL_CHUNK} tokens"
+        );
+        let c = &self.config;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            anyhow::bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                c.vocab_size
+            );
+        }
+        ensure!(
+            state.position + n <= self.max_context,
+            "the prompt needs {} positions; the context limit is {} tokens",
+            state.position + n,
+            self.max_context
+        );
+        let mut guard = self
+            .prefill
+            .lock()
+            .map_err(|_| anyhow::anyhow!("prefill scratch lock poisoned"))?;
+        if guard.is_none() {
+            *guard = Some(PrefillScratch::new(&self.stream, self)?);
+        }
+        let ps = guard.as_mut().context("prefill scratch allocated above")?;
+        let slots = self
+            .slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let slot = &slots[state.slot];
+        let s = &self.stream;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        s.memcpy_htod(&ids, &mut ps.tokens)?;
+
+        let m = &self.model;
+        let p = |x: &CudaSlice<f32>| ptr(x, s);
+        let (x, proj, core) = (p(&ps.x), p(&ps.proj), p(&ps.core));
+        let position = ptr(&slot.position, s);
+        let token_ids = ptr(&ps.tokens, s);
+        let n32 = n as i32;
+        let embed = m.embed.desc(s);
+        // SAFETY: x holds PREFILL_CHUNK rows of hidden_size floats; token ids checked above.
+        unsafe {
+            self.launch(
+                "embed",
+                &self.k.embed,
+                cfg(c.hidden_size.div_ceil(256) as u32, n as u32, 256, 0),
+                &mut [arg(&embed), arg(&token_ids), arg(&x)],
+            )
+        }?;
+
+        let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
+        let gdn_dims = DeltaNetDims {
+            key_heads: c.linear_num_key_heads as i32,
+            value_heads: c.linear_num_value_heads as i32,
+            key_dim: c.linear_key_head_dim as i32,
+            value_dim: c.linear_value_head_dim as i32,
+            kernel: c.linear_conv_kernel_dim as i32,
+            splits: gdn.splits as i32,
+            eps: c.rms_norm_eps,
+        };
+        let attn_dims = AttentionDims {
+            heads: c.num_attention_heads as i32,
+            kv_heads: c.num_key_value_heads as i32,
+            head_dim: c.head_dim as i32,
+            rotary_dim: c.rotary_dim as i32,
+            max_context: self.max_context as i32,
+            splits: PREFILL_ATTENTION_SPLITS as i32,
+            eps: c.rms_norm_eps,
+            rope_theta: c.rope_theta as f32,
+        };
+        let (mut attn_i, mut gdn_i) = (0, 0);
+        for layer in &m.layers {
+            match &layer.mixer {
+                DeviceMixer::DeltaNet {
+                    in_proj,
+                    out_proj,
+                    conv_w,
+                    a_log,
+                    dt_bias,
+                    norm,
+                } => {
+                    self.project(ps, in_proj, x, Some(p(&layer.input_norm)), proj, false, n)?;
+                    let (conv, rec) = (p(&slot.conv[gdn_i]), p(&slot.recurrent[gdn_i]));
+                    let (cw, al, dtb, nw) = (p(conv_w), p(a_log), p(dt_bias), p(norm));
+                    // SAFETY: shapes checked at construction; proj and core hold n rows.
+                    unsafe {
+                        self.launch_clusters(
+                            "deltanet_step",
+                            &self.k.deltanet_step,
+                            cfg(
+                                (c.linear_num_value_heads * gdn.splits) as u32,
+                                1,
+                                gdn.threads as u32,
+                                gdn.smem as u32,
+                            ),
+                            gdn.splits as u32,
+                            &mut [
+                                arg(&gdn_dims),
+                                arg(&proj),
+                                arg(&conv),
+                                arg(&cw),
+                                arg(&al),
+                                arg(&dtb),
+                                arg(&nw),
+                                arg(&rec),
+                                arg(&position),
+                                arg(&n32),
+                                arg(&core),
+                            ],
+                        )
+                    }?;
+                    if n > 1 {
+                        let entries = n.min(c.linear_conv_kernel_dim) * c.linear_conv_dim();
+                        // SAFETY: the ring holds kernel rows of conv_dim floats.
+                        unsafe {
+                            self.launch(
+                                "deltanet_conv_ring",
+                                &self.k.deltanet_conv_ring,
+                                cfg(entries.div_ceil(256).min(1024) as u32, 1, 256, 0),
+                                &mut [
+                                    arg(&gdn_dims),
+                                    arg(&proj),
+                                    arg(&conv),
+                                    arg(&position),
+                                    arg(&n32),
+                                ],
+                            )
+                        }?;
+                    }
+                    self.project(ps, out_proj, core, None, x, true, n)?;
+                    gdn_i += 1;
+                }
+                DeviceMixer::Attention {
+                    qkv,
+                    o_proj,
+                    q_norm,
+                    k_norm,
+                } => {
+                    self.project(ps, qkv, x, Some(p(&layer.input_norm)), proj, false, n)?;
+                    let (kc, vc) = (ptr(&slot.kv[attn_i].0, s), ptr(&slot.kv[attn_i].1, s));
+                    let (qn, kn, q) = (p(q_norm), p(k_norm), p(&ps.q));
+                    let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
+                    // SAFETY: positions up to position + n are checked against the context above.
+                    unsafe {
+                        self.launch(
+                            "attention_prepare",
+                            &self.k.attention_prepare,
+                            cfg(blocks, n as u32, c.head_dim as u32, (c.head_dim * 4) as u32),
+                            &mut [
+                                arg(&attn_dims),
+                                arg(&proj),
+                                arg(&qn),
+                                arg(&kn),
+                                arg(&position),
+                                arg(&q),
+                                arg(&kc),
+                                arg(&vc),
+                            ],
+                        )
+                    }?;
+                    let (pm, pss, po) = (p(&ps.part_max), p(&ps.part_sum), p(&ps.part_out));
+                    let mut split_cfg = cfg(
+                        c.num_key_value_heads as u32,
+                        PREFILL_ATTENTION_SPLITS as u32,
+                        ATTENTION_THREADS,
+                        (ATTENTION_CHUNK * c.head_dim * 2) as u32,
+                    );
+                    split_cfg.grid_dim.2 = n as u32;
+                    // SAFETY: partial buffers hold n * heads * PREFILL_ATTENTION_SPLITS entries.
+                    unsafe {
+                        self.launch(
+                            "attention_split",
+                            &self.k.attention_split,
+                            split_cfg,
+                            &mut [
+                                arg(&attn_dims),
+                                arg(&q),
+                                arg(&kc),
+                                arg(&vc),
+                                arg(&position),
+                                arg(&pm),
+                                arg(&pss),
+                                arg(&po),
+                            ],
+                        )
+                    }?;
+                    // SAFETY: as above.
+                    unsafe {
+                        self.launch(
+                            "attention_combine",
+                            &self.k.attention_combine,
+                            cfg(c.num_attention_heads as u32, n as u32, c.head_dim as u32, 0),
+                            &mut [
+                                arg(&attn_dims),
+                                arg(&proj),
+                                arg(&position),
+                                arg(&pm),
+                                arg(&pss),
+                                arg(&po),
+                                arg(&core),
+                            ],
+                        )
+                    }?;
+                    self.project(ps, o_proj, core, None, x, true, n)?;
+                    attn_i += 1;
+                }
+            }
+            self.moe_chunk(ps, layer, x, n)?;
+        }
+        let by = n32;
+        // SAFETY: one thread advances the slot's position.
+        unsafe {
+            self.launch(
+                "advance_position",
+                &self.k.advance_position,
+                cfg(1, 1, 1, 0),
+                &mut [arg(&position), arg(&by)],
+            )
+        }?;
+        state.position += n;
+        state.device_token = None;
+
+        let final_norm = Some(p(&m.final_norm));
+        match which {
+            LogitsFor::All => {
+                let logits = s.alloc_zeros::<f32>(n * c.vocab_size)?;
+                let out = ptr(&logits, s);
+                self.project(ps, &m.lm_head, x, final_norm, out, false, n)?;
+                Ok(s.clone_dtoh(&logits)?)
+            }
+            LogitsFor::Last => {
+                let last = x + ((n - 1) * c.hidden_size * 4) as u64;
+                let out = p(&self.scratch.logits);
+                self.project(ps, &m.lm_head, last, final_norm, out, false, 1)?;
+                Ok(s.clone_dtoh(&self.scratch.logits)?)
+            }
+        }
+    }
+
+    /// y = W · x for `n` token rows (x RMS-normalised by `norm` when given; added to y when
+    /// `accumulate`): on tensor cores for 4-bit weights, else the decode mat-vec per token.
+    #[allow(clippy::too_many_arguments)]
+    fn project(
+        &self,
+        ps: &PrefillScratch,
+        w: &DeviceWeight,
+        x: u64,
+        norm: Option<u64>,
+        y: u64,
+        accumulate: bool,
+        n: usize,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let desc = w.desc(s);
+        let norm = norm.unwrap_or(0);
+        let eps = self.config.rms_norm_eps;
+        let acc = accumulate as i32;
+        if w.bits == 4 && w.group >= 32 {
+            let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
+            let (cols, tokens) = (w.cols as i32, n as i32);
+            // SAFETY: x holds n rows of cols floats; x16 and xscale are sized for a chunk of the
+            // widest input.
+            unsafe {
+                self.launch(
+                    "rows_to_half",
+                    &self.k.rows_to_half,
+                    cfg(n as u32, 1, 256, 0),
+                    &mut [
+                        arg(&x),
+                        arg(&cols),
+                        arg(&norm),
+                        arg(&eps),
+                        arg(&x16),
+                        arg(&xs),
+                    ],
+                )
+            }?;
+            // SAFETY: y holds n rows of w.rows floats; the kernel clamps reads to the shapes.
+            unsafe {
+                self.launch(
+                    "gemm_q4",
+                    &self.k.gemm_q4,
+                    cfg(
+                        w.rows.div_ceil(GEMM_ROWS) as u32,
+                        n.div_ceil(GEMM_TOKENS) as u32,
+                        256,
+                        0,
+                    ),
+                    &mut [
+                        arg(&desc),
+                        arg(&x16),
+                        arg(&xs),
+                        arg(&tokens),
+                        arg(&y),
+                        arg(&acc),
+                    ],
+                )
+            }?;
+        } else {
+            let mut launch = self.matvec_cfg(w);
+            launch.grid_dim.1 = n as u32;
+            // SAFETY: x and y hold n rows of w.cols and w.rows floats.
+            unsafe {
+                self.launch(
+                    "matvec",
+                    &self.k.matvec,
+                    launch,
+                    &mut [
+                        arg(&desc),
+                        arg(&x),
+                        arg(&norm),
+                        arg(&eps),
+                        arg(&y),
+                        arg(&acc),
+                    ],
+                )
+            }?;
+        }
+        Ok(())
+    }
+
+    /// The MoE block of a layer for `n` token rows of the residual `x`, added to it: the decode
+    /// kernels with the tokens along the grid's z dimension.
+    fn moe_chunk(
+        &self,
+        ps: &PrefillScratch,
+        layer: &super::weights::DeviceLayer,
+        x: u64,
+        n: usize,
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let router = ptr(&ps.router_logits, s);
+        let post = ptr(&layer.post_norm, s);
+        let dims = MoeDims {
+            experts: c.num_experts as i32,
+            top_k: c.num_experts_per_tok as i32,
+            intermediate: c.moe_intermediate_size as i32,
+            shared_intermediate: c.shared_expert_intermediate_size as i32,
+            hidden: c.hidden_size as i32,
+            eps: c.rms_norm_eps,
+        };
+        let (act, ids, weights) = (ptr(&ps.act, s), ptr(&ps.ids, s), ptr(&ps.weights, s));
+        let (r, g, u, sg, su) = (
+            layer.router.desc(s),
+            layer.gate.desc(s),
+            layer.up.desc(s),
+            layer.shared_gate.desc(s),
+            layer.shared_up.desc(s),
+        );
+        let smem = staged_bytes(&[c.hidden_size]);
+        let warps = MATVEC_THREADS as usize / 32;
+        let gate_up_blocks = |rows: usize| rows.div_ceil(warps * GATE_UP_ROWS_PER_WARP);
+        let blocks = layer
+            .router
+            .rows
+            .div_ceil(warps)
+            .max(gate_up_blocks(c.shared_expert_intermediate_size)) as u32;
+        let mut launch = cfg(blocks, 2, MATVEC_THREADS, smem);
+        launch.grid_dim.2 = n as u32;
+        // SAFETY: the chunk buffers hold n rows of each.
+        unsafe {
+            self.launch(
+                "moe_router_shared",
+                &self.k.moe_router_shared,
+                launch,
+                &mut [
+                    arg(&dims),
+                    arg(&r),
+                    arg(&sg),
+                    arg(&su),
+                    arg(&x),
+                    arg(&post),
+                    arg(&router),
+                    arg(&act),
+                ],
+            )
+        }?;
+        let mut launch = cfg(
+            gate_up_blocks(c.moe_intermediate_size) as u32,
+            c.num_experts_per_tok as u32,
+            MATVEC_THREADS,
+            smem,
+        );
+        launch.grid_dim.2 = n as u32;
+        // SAFETY: as above.
+        unsafe {
+            self.launch(
+                "moe_gate_up",
+                &self.k.moe_gate_up,
+                launch,
+                &mut [
+                    arg(&dims),
+                    arg(&g),
+                    arg(&u),
+                    arg(&x),
+                    arg(&post),
+                    arg(&router),
+                    arg(&act),
+                    arg(&ids),
+                    arg(&weights),
+                ],
+            )
+        }?;
+        self.moe_down_launch(layer, &dims, act, ids, weights, x, n)
+    }
+}
