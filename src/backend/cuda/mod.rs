@@ -232,6 +232,11 @@ struct Kernels {
     advance_position: CudaFunction,
     rows_to_half: CudaFunction,
     gemm_q4: CudaFunction,
+    gemm_q4_grouped: CudaFunction,
+    swiglu_to_half: CudaFunction,
+    add_expert_rows: CudaFunction,
+    moe_route: CudaFunction,
+    moe_group: CudaFunction,
 }
 
 /// Activations of one decode step, shared by all sequences (steps run one after another).
@@ -416,6 +421,11 @@ impl CudaBackend {
             advance_position: get("advance_position")?,
             rows_to_half: get("rows_to_half")?,
             gemm_q4: get("gemm_q4")?,
+            gemm_q4_grouped: get("gemm_q4_grouped")?,
+            swiglu_to_half: get("swiglu_to_half")?,
+            add_expert_rows: get("add_expert_rows")?,
+            moe_route: get("moe_route")?,
+            moe_group: get("moe_group")?,
         };
         // Kernels that stage inputs in dynamic shared memory may use more than the default 48 KB.
         for f in [
@@ -1315,7 +1325,13 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
         "matvec" => &["matvec", "embed"],
         "deltanet" => &["deltanet_step", "deltanet_conv_ring"],
         "attention" => &["attention_prepare", "attention_split", "attention_combine"],
-        "moe" => &["moe_router_shared", "moe_gate_up", "moe_down"],
+        "moe" => &[
+            "moe_router_shared",
+            "moe_gate_up",
+            "moe_down",
+            "moe_route",
+            "moe_group",
+        ],
         "sample" => &[
             "argmax_partial",
             "argmax_final",
@@ -1323,7 +1339,13 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "advance_position",
         ],
         "fill" => &["fill_bf16", "fill_u32"],
-        "gemm" => &["rows_to_half", "gemm_q4"],
+        "gemm" => &[
+            "rows_to_half",
+            "gemm_q4",
+            "gemm_q4_grouped",
+            "swiglu_to_half",
+            "add_expert_rows",
+        ],
         _ => &[],
     }
 }

@@ -23,6 +23,8 @@ const PREFILL_ATTENTION_SPLITS: usize = 4;
 /// Weight rows and tokens one `gemm_q4` block covers (GEMM_ROWS, GEMM_TOKENS in gemm.cu).
 pub(super) const GEMM_ROWS: usize = 128;
 pub(super) const GEMM_TOKENS: usize = 64;
+/// Assignments per tile of the grouped MoE product (GROUP_TILE in moe.cu).
+const GROUP_TILE: usize = 64;
 
 /// Activations of one prefill chunk, row per token.
 pub(super) struct PrefillScratch {
@@ -41,6 +43,22 @@ pub(super) struct PrefillScratch {
     /// Inputs of a tensor-core product in fp16, and each token's power-of-two scale.
     x16: CudaSlice<u16>,
     xscale: CudaSlice<f32>,
+    /// Grouped MoE: assignments (token * top_k + slot) sorted by expert, the expert tiles over
+    /// them and their count, each assignment's gate and up rows, its activation in fp16 (and
+    /// scale), and its down row.
+    order: CudaSlice<i32>,
+    tiles: CudaSlice<i32>,
+    tile_count: CudaSlice<i32>,
+    gate_rows: CudaSlice<f32>,
+    up_rows: CudaSlice<f32>,
+    act16: CudaSlice<u16>,
+    actscale: CudaSlice<f32>,
+    down_rows: CudaSlice<f32>,
+}
+
+/// Most tiles of GROUP_TILE assignments the experts' runs of a chunk can make.
+fn max_group_tiles(c: &crate::config::ModelConfig) -> usize {
+    (PREFILL_CHUNK * c.num_experts_per_tok).div_ceil(GROUP_TILE) + c.num_experts
 }
 
 impl PrefillScratch {
@@ -76,6 +94,14 @@ impl PrefillScratch {
             weights: z(n * slots)?,
             x16: stream.alloc_zeros::<u16>(n * widest)?,
             xscale: z(n)?,
+            order: stream.alloc_zeros::<i32>(n * c.num_experts_per_tok)?,
+            tiles: stream.alloc_zeros::<i32>(3 * max_group_tiles(c))?,
+            tile_count: stream.alloc_zeros::<i32>(1)?,
+            gate_rows: z(n * c.num_experts_per_tok * inter)?,
+            up_rows: z(n * c.num_experts_per_tok * inter)?,
+            act16: stream.alloc_zeros::<u16>(n * c.num_experts_per_tok * inter)?,
+            actscale: z(n * c.num_experts_per_tok)?,
+            down_rows: z(n * c.num_experts_per_tok * c.hidden_size)?,
         })
     }
 }
@@ -350,7 +376,7 @@ impl CudaBackend {
         let acc = accumulate as i32;
         if w.bits == 4 && w.group >= 32 {
             let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
-            let (cols, tokens) = (w.cols as i32, n as i32);
+            let cols = w.cols as i32;
             // SAFETY: x holds n rows of cols floats; x16 and xscale are sized for a chunk of the
             // widest input.
             unsafe {
@@ -368,27 +394,7 @@ impl CudaBackend {
                     ],
                 )
             }?;
-            // SAFETY: y holds n rows of w.rows floats; the kernel clamps reads to the shapes.
-            unsafe {
-                self.launch(
-                    "gemm_q4",
-                    &self.k.gemm_q4,
-                    cfg(
-                        w.rows.div_ceil(GEMM_ROWS) as u32,
-                        n.div_ceil(GEMM_TOKENS) as u32,
-                        256,
-                        0,
-                    ),
-                    &mut [
-                        arg(&desc),
-                        arg(&x16),
-                        arg(&xs),
-                        arg(&tokens),
-                        arg(&y),
-                        arg(&acc),
-                    ],
-                )
-            }?;
+            self.gemm_rows(w, x16, xs, n, y, accumulate)?;
         } else {
             let mut launch = self.matvec_cfg(w);
             launch.grid_dim.1 = n as u32;
@@ -412,9 +418,240 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The MoE block of a layer for `n` token rows of the residual `x`, added to it: the decode
-    /// kernels with the tokens along the grid's z dimension.
+    /// The MoE block of a layer for `n` token rows of the residual `x`, added to it.
     fn moe_chunk(
+        &self,
+        ps: &PrefillScratch,
+        layer: &super::weights::DeviceLayer,
+        x: u64,
+        n: usize,
+    ) -> Result<()> {
+        let on_tensor_cores = |w: &DeviceWeight| w.bits == 4 && w.group >= 32;
+        let experts = [&layer.gate, &layer.up, &layer.down];
+        let shared = [&layer.shared_gate, &layer.shared_up, &layer.shared_down];
+        if experts.iter().chain(&shared).all(|w| on_tensor_cores(w)) {
+            self.moe_chunk_grouped(ps, layer, x, n)
+        } else {
+            self.moe_chunk_per_token(ps, layer, x, n)
+        }
+    }
+
+    /// The MoE block with the chunk's tokens grouped by expert: every expert's weights are read
+    /// once per chunk and multiplied by all its tokens on tensor cores.
+    fn moe_chunk_grouped(
+        &self,
+        ps: &PrefillScratch,
+        layer: &super::weights::DeviceLayer,
+        x: u64,
+        n: usize,
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let p = |b: &CudaSlice<f32>| ptr(b, s);
+        let post = p(&layer.post_norm);
+        let router = p(&ps.router_logits);
+        // Router first: a 4-bit router would reuse x16, which then holds the normed input.
+        self.project(ps, &layer.router, x, Some(post), router, false, n)?;
+        let dims = MoeDims {
+            experts: c.num_experts as i32,
+            top_k: c.num_experts_per_tok as i32,
+            intermediate: c.moe_intermediate_size as i32,
+            shared_intermediate: c.shared_expert_intermediate_size as i32,
+            hidden: c.hidden_size as i32,
+            eps: c.rms_norm_eps,
+        };
+        let (ids, weights) = (ptr(&ps.ids, s), p(&ps.weights));
+        // SAFETY: router_logits, ids and weights hold n rows.
+        unsafe {
+            self.launch(
+                "moe_route",
+                &self.k.moe_route,
+                cfg(n as u32, 1, 32, 0),
+                &mut [arg(&dims), arg(&router), arg(&ids), arg(&weights)],
+            )
+        }?;
+        let (order, tiles, tile_count) =
+            (ptr(&ps.order, s), ptr(&ps.tiles, s), ptr(&ps.tile_count, s));
+        let n32 = n as i32;
+        // SAFETY: order holds n * top_k entries, tiles max_group_tiles triples.
+        unsafe {
+            self.launch(
+                "moe_group",
+                &self.k.moe_group,
+                cfg(1, 1, 1024, 0),
+                &mut [
+                    arg(&dims),
+                    arg(&ids),
+                    arg(&n32),
+                    arg(&order),
+                    arg(&tiles),
+                    arg(&tile_count),
+                ],
+            )
+        }?;
+        // The normed input of every expert, shared included, in fp16.
+        let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
+        let hidden = c.hidden_size as i32;
+        let eps = c.rms_norm_eps;
+        // SAFETY: x holds n rows of hidden floats; x16 and xscale n rows.
+        unsafe {
+            self.launch(
+                "rows_to_half",
+                &self.k.rows_to_half,
+                cfg(n as u32, 1, 256, 0),
+                &mut [
+                    arg(&x),
+                    arg(&hidden),
+                    arg(&post),
+                    arg(&eps),
+                    arg(&x16),
+                    arg(&xs),
+                ],
+            )
+        }?;
+        let (gate_rows, up_rows, down_rows) = (p(&ps.gate_rows), p(&ps.up_rows), p(&ps.down_rows));
+        let (act16, actscale) = (ptr(&ps.act16, s), p(&ps.actscale));
+        let top_k = c.num_experts_per_tok as i32;
+        let tiles_max = max_group_tiles(c) as u32;
+        let grouped = |w: &DeviceWeight, rows: usize, x16: u64, xs: u64, in_div: i32, y: u64| {
+            let desc = w.desc(s);
+            let rows32 = rows as i32;
+            // SAFETY: tiles and order come from moe_group; y holds a row per assignment.
+            unsafe {
+                self.launch(
+                    "gemm_q4_grouped",
+                    &self.k.gemm_q4_grouped,
+                    cfg(rows.div_ceil(GEMM_ROWS) as u32, tiles_max, 256, 0),
+                    &mut [
+                        arg(&desc),
+                        arg(&rows32),
+                        arg(&tiles),
+                        arg(&tile_count),
+                        arg(&order),
+                        arg(&in_div),
+                        arg(&x16),
+                        arg(&xs),
+                        arg(&y),
+                    ],
+                )
+            }
+        };
+        let inter = c.moe_intermediate_size;
+        grouped(&layer.gate, inter, x16, xs, top_k, gate_rows)?;
+        grouped(&layer.up, inter, x16, xs, top_k, up_rows)?;
+        self.swiglu(
+            gate_rows,
+            up_rows,
+            weights,
+            (top_k, top_k + 1, 0),
+            inter,
+            n * c.num_experts_per_tok,
+            act16,
+            actscale,
+        )?;
+        grouped(&layer.down, c.hidden_size, act16, actscale, 1, down_rows)?;
+        // SAFETY: down_rows holds n * top_k rows of hidden floats, x n rows.
+        unsafe {
+            self.launch(
+                "add_expert_rows",
+                &self.k.add_expert_rows,
+                cfg(c.hidden_size.div_ceil(256) as u32, n as u32, 256, 0),
+                &mut [arg(&down_rows), arg(&top_k), arg(&hidden), arg(&x)],
+            )
+        }?;
+
+        // The shared expert, dense over the chunk, weighted by its sigmoid gate.
+        let shared_inter = c.shared_expert_intermediate_size;
+        self.gemm_rows(&layer.shared_gate, x16, xs, n, gate_rows, false)?;
+        self.gemm_rows(&layer.shared_up, x16, xs, n, up_rows, false)?;
+        self.swiglu(
+            gate_rows,
+            up_rows,
+            weights,
+            (1, top_k + 1, top_k),
+            shared_inter,
+            n,
+            act16,
+            actscale,
+        )?;
+        self.gemm_rows(&layer.shared_down, act16, actscale, n, x, true)
+    }
+
+    /// act16 = silu(gate) * up * weight per row, in fp16 with a per-row scale (swiglu_to_half;
+    /// `pick` = (per, stride, offset) finds each row's weight).
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu(
+        &self,
+        gate: u64,
+        up: u64,
+        weights: u64,
+        pick: (i32, i32, i32),
+        width: usize,
+        rows: usize,
+        act16: u64,
+        actscale: u64,
+    ) -> Result<()> {
+        let (per, stride, offset) = pick;
+        let width = width as i32;
+        // SAFETY: gate, up, act16 hold `rows` rows of `width`; weights covers every row's pick.
+        unsafe {
+            self.launch(
+                "swiglu_to_half",
+                &self.k.swiglu_to_half,
+                cfg(rows as u32, 1, 256, 0),
+                &mut [
+                    arg(&gate),
+                    arg(&up),
+                    arg(&weights),
+                    arg(&per),
+                    arg(&stride),
+                    arg(&offset),
+                    arg(&width),
+                    arg(&act16),
+                    arg(&actscale),
+                ],
+            )
+        }
+    }
+
+    /// y (+)= x16 · wᵀ for `n` rows already in fp16 (gemm_q4).
+    fn gemm_rows(
+        &self,
+        w: &DeviceWeight,
+        x16: u64,
+        xscale: u64,
+        n: usize,
+        y: u64,
+        accumulate: bool,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let desc = w.desc(s);
+        let (tokens, acc) = (n as i32, accumulate as i32);
+        // SAFETY: x16 holds n rows of w.cols, y n rows of w.rows; the kernel clamps its reads.
+        unsafe {
+            self.launch(
+                "gemm_q4",
+                &self.k.gemm_q4,
+                cfg(
+                    w.rows.div_ceil(GEMM_ROWS) as u32,
+                    n.div_ceil(GEMM_TOKENS) as u32,
+                    256,
+                    0,
+                ),
+                &mut [
+                    arg(&desc),
+                    arg(&x16),
+                    arg(&xscale),
+                    arg(&tokens),
+                    arg(&y),
+                    arg(&acc),
+                ],
+            )
+        }
+    }
+
+    /// The MoE block for `n` token rows through the decode kernels, the tokens along the grid's
+    /// z dimension (weights that are not 4-bit).
+    fn moe_chunk_per_token(
         &self,
         ps: &PrefillScratch,
         layer: &super::weights::DeviceLayer,

@@ -61,16 +61,28 @@ extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, i
     if (threadIdx.x == 0) xscale[t] = s;
 }
 
-// y[t, n] = sum_k x[t, k] w[n, k] (added to y when `accumulate`), y row-major [tokens, w.rows];
-// x16 and xscale from rows_to_half. w: 4-bit, group size >= 32. Grid: (ceil(rows / 128),
-// ceil(tokens / 64)), 256 threads.
-extern "C" __global__ void __launch_bounds__(256) gemm_q4(Weight w, const __half* x16, const float* xscale, int tokens,
-                                                         float* y, int accumulate) {
-    wait_for_previous_kernel();
+// The tokens of one block tile: `count` of them from `start`; token i reads x row in_row(i) and
+// writes y row out_row(i). A dense product takes consecutive tokens; a grouped one (MoE) the
+// assignments of one expert, listed in `order` (assignment a = token * top_k + slot), reading
+// the token's row (a / in_div) and writing the assignment's row (a).
+struct TokenTile {
+    int start, count;
+    const int* order;  // null: token i is start + i
+    int in_div;
+    __device__ __forceinline__ int assignment(int i) const { return order != nullptr ? order[start + i] : start + i; }
+    __device__ __forceinline__ int in_row(int i) const { return assignment(i) / in_div; }
+};
+
+// y[out_row(i), r] (+)= sum_k x16[in_row(i), k] w[row_base + r, k] * xscale[in_row(i)] for the
+// block's 128 rows r from blockIdx.x * 128 (below `rows`) and the tile's tokens; y rows are
+// `rows` floats wide.
+__device__ __forceinline__ void gemm_q4_tile(const Weight& w, int row_base, int rows, const TokenTile& tile,
+                                             const __half* x16, const float* xscale, float* y, int accumulate) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int row0 = blockIdx.x * GEMM_ROWS + (warp & 3) * 32;
-    const int tok0 = blockIdx.y * GEMM_TOKENS + (warp >> 2) * 32;
+    const int tok0 = (warp >> 2) * 32;
+    if (row0 >= rows || tok0 >= tile.count) return;
     const int K = w.cols, chunks = K / GEMM_K, groups = K >> w.group_shift;
     // This lane's weight rows: g, g + 8 of each of the warp's two 16-row tiles.
     const uint4* wrow[2][2];
@@ -80,17 +92,17 @@ extern "C" __global__ void __launch_bounds__(256) gemm_q4(Weight w, const __half
     for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = min(row0 + 16 * m + 8 * h + g, w.rows - 1);
-            wrow[m][h] = reinterpret_cast<const uint4*>(w.data) + (size_t)r * chunks;
-            srow[m][h] = w.scales + (size_t)r * groups;
-            brow[m][h] = w.biases + (size_t)r * groups;
+            const size_t r = row_base + min(row0 + 16 * m + 8 * h + g, rows - 1);
+            wrow[m][h] = reinterpret_cast<const uint4*>(w.data) + r * chunks;
+            srow[m][h] = w.scales + r * groups;
+            brow[m][h] = w.biases + r * groups;
         }
     // This lane's tokens: g of each of the warp's four 8-token tiles.
     const uint32_t* xrow[4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-        const int t = min(tok0 + 8 * n + g, tokens - 1);
-        xrow[n] = reinterpret_cast<const uint32_t*>(x16 + (size_t)t * K);
+        const int i = min(tok0 + 8 * n + g, tile.count - 1);
+        xrow[n] = reinterpret_cast<const uint32_t*>(x16 + (size_t)tile.in_row(i) * K);
     }
     float acc[2][4][4] = {};
     for (int kc = 0; kc < chunks; ++kc) {
@@ -138,10 +150,75 @@ extern "C" __global__ void __launch_bounds__(256) gemm_q4(Weight w, const __half
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = row0 + 16 * m + g + (e >= 2 ? 8 : 0);
-                const int t = tok0 + 8 * n + 2 * c + (e & 1);
-                if (r >= w.rows || t >= tokens) continue;
-                const float v = acc[m][n][e] * xscale[t];
-                float* out = y + (size_t)t * w.rows + r;
+                const int i = tok0 + 8 * n + 2 * c + (e & 1);
+                if (r >= rows || i >= tile.count) continue;
+                const float v = acc[m][n][e] * xscale[tile.in_row(i)];
+                float* out = y + (size_t)tile.assignment(i) * rows + r;
                 *out = accumulate ? *out + v : v;
             }
+}
+
+// y[t, n] = sum_k x[t, k] w[n, k] (added to y when `accumulate`), y row-major [tokens, w.rows];
+// x16 and xscale from rows_to_half. w: 4-bit, group size >= 32. Grid: (ceil(rows / 128),
+// ceil(tokens / 64)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) gemm_q4(Weight w, const __half* x16, const float* xscale, int tokens,
+                                                         float* y, int accumulate) {
+    wait_for_previous_kernel();
+    const int start = blockIdx.y * GEMM_TOKENS;
+    const TokenTile tile = {start, min(GEMM_TOKENS, tokens - start), nullptr, 1};
+    gemm_q4_tile(w, 0, w.rows, tile, x16, xscale, y, accumulate);
+}
+
+// The MoE experts' products over their tokens: w stacks the experts' matrices
+// [experts * rows_per_expert, cols]; tile blockIdx.y of `tiles` (expert, start, count in
+// `order`, at most 64 tokens; tiles beyond tile_count[0] exit) multiplies that expert's rows by
+// its assignments' x rows (assignment / in_div) into y rows per assignment
+// ([assignments, rows_per_expert]). Grid: (ceil(rows_per_expert / 128), most tiles), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) gemm_q4_grouped(Weight w, int rows_per_expert, const int* tiles,
+                                                                 const int* tile_count, const int* order, int in_div,
+                                                                 const __half* x16, const float* xscale, float* y) {
+    wait_for_previous_kernel();
+    if ((int)blockIdx.y >= tile_count[0]) return;
+    const int* t = tiles + 3 * blockIdx.y;
+    const TokenTile tile = {t[1], t[2], order, in_div};
+    gemm_q4_tile(w, t[0] * rows_per_expert, rows_per_expert, tile, x16, xscale, y, 0);
+}
+
+// act16[a] = (silu(gate[a]) * up[a] * weight) in fp16, scaled and permuted as rows_to_half does,
+// for each row a of gate and up ([rows, width]); the row's weight is
+// weights[(a / per) * stride + a % per + offset] (routed assignments: per = top_k, stride =
+// top_k + 1, offset 0; the shared expert: per = 1, offset = top_k). One block of 256 threads per
+// row; width a multiple of 8.
+extern "C" __global__ void __launch_bounds__(256) swiglu_to_half(const float* gate, const float* up,
+                                                                const float* weights, int per, int stride, int offset,
+                                                                int width, __half* act16, float* actscale) {
+    __shared__ float scratch[64];
+    wait_for_previous_kernel();
+    const size_t a = blockIdx.x;
+    const float wa = weights[(a / per) * stride + a % per + offset];
+    float mx = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        mx = fmaxf(mx, fabsf(silu(gate[a * width + i]) * up[a * width + i] * wa));
+    mx = block_sum_max(make_float2(0.0f, mx), scratch).y;
+    const float s = mx > 0.0f ? exp2f(ceilf(log2f(mx)) - 14.0f) : 1.0f;
+    const float r = wa / s;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const int base = i & ~7, p = i & 7;
+        const int src = base + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
+        act16[a * width + i] = __float2half_rn(silu(gate[a * width + src]) * up[a * width + src] * r);
+    }
+    if (threadIdx.x == 0) actscale[a] = s;
+}
+
+// residual[t] += sum over slots of down[t * top_k + slot]: the routed experts' outputs (their
+// routing weights already applied) for each token t. Grid: (ceil(hidden / 256), tokens).
+extern "C" __global__ void __launch_bounds__(256) add_expert_rows(const float* down, int top_k, int hidden,
+                                                                 float* residual) {
+    wait_for_previous_kernel();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= hidden) return;
+    const size_t t = blockIdx.y;
+    float sum = 0.0f;
+    for (int k = 0; k < top_k; ++k) sum += down[(t * top_k + k) * hidden + i];
+    residual[t * hidden + i] += sum;
 }

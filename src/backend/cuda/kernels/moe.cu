@@ -309,3 +309,59 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
         for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
             if (r0 + i < d.hidden) residual[r0 + i] += out[i];
 }
+
+// Prefill: each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot
+// top_k is the shared expert, id -1, weight its sigmoid gate). One warp per token.
+extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const float* router_logits, int* ids,
+                                                          float* weights) {
+    __shared__ float logits[MAX_EXPERTS + 1];
+    __shared__ int chosen[MAX_TOP_K + 1];
+    __shared__ float chosen_weights[MAX_TOP_K + 1];
+    wait_for_previous_kernel();
+    const size_t t = blockIdx.x;
+    for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) logits[e] = router_logits[t * (d.experts + 1) + e];
+    __syncwarp();
+    route(d, logits, chosen, chosen_weights);
+    __syncwarp();
+    for (int i = threadIdx.x; i <= d.top_k; i += blockDim.x) {
+        ids[t * (d.top_k + 1) + i] = chosen[i];
+        weights[t * (d.top_k + 1) + i] = chosen_weights[i];
+    }
+}
+
+#define GROUP_TILE 64
+
+// Prefill: sorts the chunk's routed assignments (a = token * top_k + slot) by expert into
+// `order` and cuts each expert's run into tiles of at most GROUP_TILE for gemm_q4_grouped:
+// tiles[3 i ..] = (expert, start in order, count), tile_count[0] = tiles made. One block.
+extern "C" __global__ void __launch_bounds__(1024) moe_group(MoeDims d, const int* ids, int tokens, int* order,
+                                                            int* tiles, int* tile_count) {
+    __shared__ int count[MAX_EXPERTS];
+    __shared__ int cursor[MAX_EXPERTS];
+    wait_for_previous_kernel();
+    const int total = tokens * d.top_k;
+    for (int e = threadIdx.x; e < d.experts; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int a = threadIdx.x; a < total; a += blockDim.x)
+        atomicAdd(&count[ids[(a / d.top_k) * (d.top_k + 1) + a % d.top_k]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int start = 0, made = 0;
+        for (int e = 0; e < d.experts; ++e) {
+            cursor[e] = start;
+            for (int s = 0; s < count[e]; s += GROUP_TILE) {
+                tiles[3 * made] = e;
+                tiles[3 * made + 1] = start + s;
+                tiles[3 * made + 2] = min(GROUP_TILE, count[e] - s);
+                ++made;
+            }
+            start += count[e];
+        }
+        tile_count[0] = made;
+    }
+    __syncthreads();
+    for (int a = threadIdx.x; a < total; a += blockDim.x) {
+        const int e = ids[(a / d.top_k) * (d.top_k + 1) + a % d.top_k];
+        order[atomicAdd(&cursor[e], 1)] = a;
+    }
+}
