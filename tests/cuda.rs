@@ -306,3 +306,70 @@ fn tensor_core_matmul_matches_the_dequantised_product() {
         assert!(checked > 0, "the fixture has 4-bit matrices");
     }
 }
+
+/// A prompt longer than a prefill chunk (three chunks, the last partial) against the CPU: the
+/// last position's logits, then greedy decode steps continuing from the state prefill left
+/// (DeltaNet state and conv history, KV cache, position), in bf16 and in 4-bit (whose experts
+/// take the grouped tensor-core path).
+#[test]
+fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let quantized = tmp.path().join("q4");
+    let options = ConvertOptions {
+        spec: QuantSpec::new(4, 64).unwrap(),
+        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+        progress: false,
+    };
+    convert(&fixtures()[0], &quantized, &options).unwrap();
+    for dir in [fixtures()[0].clone(), quantized] {
+        let model = Arc::new(Model::load(&dir).unwrap());
+        let vocab = model.config.vocab_size as u64;
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let prompt: Vec<u32> = (0..600)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed % vocab) as u32
+            })
+            .collect();
+        let cpu = CpuBackend::new(model.clone());
+        let cpu_bf16 = CpuBackend::with_bf16_activations(model.clone());
+        let gpu = CudaBackend::new(
+            &model,
+            CudaOptions {
+                max_context: 1024,
+                max_sequences: 1,
+                use_graphs: true,
+            },
+        )
+        .unwrap();
+        let (mut c, mut c16, mut g) = (
+            cpu.new_state().unwrap(),
+            cpu_bf16.new_state().unwrap(),
+            gpu.new_state().unwrap(),
+        );
+        let mut want = cpu.prefill(&mut c, &prompt, LogitsFor::Last).unwrap();
+        let mut spread_logits = cpu_bf16
+            .prefill(&mut c16, &prompt, LogitsFor::Last)
+            .unwrap();
+        let mut got = gpu.prefill(&mut g, &prompt, LogitsFor::Last).unwrap();
+        for step in 0..8 {
+            let spread = relative_error(&spread_logits, &want);
+            let err = relative_error(&got, &want);
+            println!(
+                "{}: step {step}: GPU error {err:.2e}, bf16 spread {spread:.2e}",
+                dir.display()
+            );
+            assert!(
+                err <= SPREADS * spread,
+                "{}: step {step}: error {err} above {SPREADS} x spread {spread}",
+                dir.display()
+            );
+            let next = argmax(&want);
+            want = cpu.decode(&mut [&mut c], &[next]).unwrap();
+            spread_logits = cpu_bf16.decode(&mut [&mut c16], &[next]).unwrap();
+            got = gpu.decode(&mut [&mut g], &[next]).unwrap();
+        }
+    }
+}
