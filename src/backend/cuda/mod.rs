@@ -220,6 +220,10 @@ struct Kernels {
     embed: CudaFunction,
     deltanet_step: CudaFunction,
     deltanet_conv_ring: CudaFunction,
+    deltanet_conv_chunk: CudaFunction,
+    deltanet_norm_chunk: CudaFunction,
+    deltanet_scan: CudaFunction,
+    deltanet_gated_norm: CudaFunction,
     attention_prepare: CudaFunction,
     attention_split: CudaFunction,
     attention_combine: CudaFunction,
@@ -409,6 +413,10 @@ impl CudaBackend {
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
             deltanet_conv_ring: get("deltanet_conv_ring")?,
+            deltanet_conv_chunk: get("deltanet_conv_chunk")?,
+            deltanet_norm_chunk: get("deltanet_norm_chunk")?,
+            deltanet_scan: get("deltanet_scan")?,
+            deltanet_gated_norm: get("deltanet_gated_norm")?,
             attention_prepare: get("attention_prepare")?,
             attention_split: get("attention_split")?,
             attention_combine: get("attention_combine")?,
@@ -1323,7 +1331,14 @@ fn staged_bytes(widths: &[usize]) -> u32 {
 fn kernel_names(module: &str) -> &'static [&'static str] {
     match module {
         "matvec" => &["matvec", "embed"],
-        "deltanet" => &["deltanet_step", "deltanet_conv_ring"],
+        "deltanet" => &[
+            "deltanet_step",
+            "deltanet_conv_ring",
+            "deltanet_conv_chunk",
+            "deltanet_norm_chunk",
+            "deltanet_scan",
+            "deltanet_gated_norm",
+        ],
         "attention" => &["attention_prepare", "attention_split", "attention_combine"],
         "moe" => &[
             "moe_router_shared",

@@ -15,6 +15,7 @@ use super::{
     DeltaNetShape, GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeDims, arg, cfg, staged_bytes,
 };
 use crate::backend::LogitsFor;
+use crate::config::ModelConfig;
 
 /// Tokens per prefill chunk.
 pub(super) const PREFILL_CHUNK: usize = 256;
@@ -54,6 +55,11 @@ pub(super) struct PrefillScratch {
     act16: CudaSlice<u16>,
     actscale: CudaSlice<f32>,
     down_rows: CudaSlice<f32>,
+    /// DeltaNet: the convolved, activated q|k|v of every token, its (beta, decay) per value
+    /// head, and the recurrence's output before the gated norm.
+    gdn_act: CudaSlice<f32>,
+    gdn_gates: CudaSlice<f32>,
+    gdn_raw: CudaSlice<f32>,
 }
 
 /// Most tiles of GROUP_TILE assignments the experts' runs of a chunk can make.
@@ -102,6 +108,9 @@ impl PrefillScratch {
             act16: stream.alloc_zeros::<u16>(n * c.num_experts_per_tok * inter)?,
             actscale: z(n * c.num_experts_per_tok)?,
             down_rows: z(n * c.num_experts_per_tok * c.hidden_size)?,
+            gdn_act: z(n * c.linear_conv_dim())?,
+            gdn_gates: z(n * 2 * c.linear_num_value_heads)?,
+            gdn_raw: z(n * c.linear_value_dim())?,
         })
     }
 }
@@ -201,33 +210,23 @@ impl CudaBackend {
                     self.project(ps, in_proj, x, Some(p(&layer.input_norm)), proj, false, n)?;
                     let (conv, rec) = (p(&slot.conv[gdn_i]), p(&slot.recurrent[gdn_i]));
                     let (cw, al, dtb, nw) = (p(conv_w), p(a_log), p(dt_bias), p(norm));
-                    // SAFETY: shapes checked at construction; proj and core hold n rows.
-                    unsafe {
-                        self.launch_clusters(
-                            "deltanet_step",
-                            &self.k.deltanet_step,
-                            cfg(
-                                (c.linear_num_value_heads * gdn.splits) as u32,
-                                1,
-                                gdn.threads as u32,
-                                gdn.smem as u32,
-                            ),
-                            gdn.splits as u32,
-                            &mut [
-                                arg(&gdn_dims),
-                                arg(&proj),
-                                arg(&conv),
-                                arg(&cw),
-                                arg(&al),
-                                arg(&dtb),
-                                arg(&nw),
-                                arg(&rec),
-                                arg(&position),
-                                arg(&n32),
-                                arg(&core),
-                            ],
-                        )
-                    }?;
+                    let params = DeltaNetParams {
+                        dims: &gdn_dims,
+                        proj,
+                        conv,
+                        conv_w: cw,
+                        a_log: al,
+                        dt_bias: dtb,
+                        norm: nw,
+                        state: rec,
+                        position,
+                        out: core,
+                    };
+                    if scan_fits(c) {
+                        self.deltanet_scan_chunk(ps, &params, n)?;
+                    } else {
+                        self.deltanet_per_token(&params, n)?;
+                    }
                     if n > 1 {
                         let entries = n.min(c.linear_conv_kernel_dim) * c.linear_conv_dim();
                         // SAFETY: the ring holds kernel rows of conv_dim floats.
@@ -732,5 +731,146 @@ impl CudaBackend {
             )
         }?;
         self.moe_down_launch(layer, &dims, act, ids, weights, x, n)
+    }
+}
+
+/// The buffers and dims of one DeltaNet layer's prefill.
+struct DeltaNetParams<'a> {
+    dims: &'a DeltaNetDims,
+    proj: u64,
+    conv: u64,
+    conv_w: u64,
+    a_log: u64,
+    dt_bias: u64,
+    norm: u64,
+    state: u64,
+    position: u64,
+    out: u64,
+}
+
+/// Whether `deltanet_scan` holds the model's heads: a lane keeps 4 of at most 128 key rows, a warp
+/// 4 value columns.
+fn scan_fits(c: &ModelConfig) -> bool {
+    c.linear_key_head_dim <= 128
+        && c.linear_key_head_dim.is_multiple_of(4)
+        && c.linear_value_head_dim.is_multiple_of(4)
+}
+
+impl CudaBackend {
+    /// DeltaNet over a chunk: conv and norms in parallel over the tokens, the recurrence in
+    /// `deltanet_scan`, the gated norm in parallel again.
+    fn deltanet_scan_chunk(&self, ps: &PrefillScratch, l: &DeltaNetParams, n: usize) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let (act, gates, raw) = (
+            ptr(&ps.gdn_act, s),
+            ptr(&ps.gdn_gates, s),
+            ptr(&ps.gdn_raw, s),
+        );
+        let whole_warps = |threads: usize| threads.div_ceil(32) as u32 * 32;
+        let n32 = n as i32;
+        // SAFETY (all four launches): the chunk buffers hold n rows of conv_dim floats (act),
+        // value_heads gates and value_heads * value_dim outputs (raw, out); the grids cover
+        // exactly the shapes the kernels document.
+        unsafe {
+            self.launch(
+                "deltanet_conv_chunk",
+                &self.k.deltanet_conv_chunk,
+                cfg(c.linear_conv_dim().div_ceil(256) as u32, n as u32, 256, 0),
+                &mut [
+                    arg(l.dims),
+                    arg(&l.proj),
+                    arg(&l.conv),
+                    arg(&l.conv_w),
+                    arg(&l.position),
+                    arg(&act),
+                ],
+            )?;
+            self.launch(
+                "deltanet_norm_chunk",
+                &self.k.deltanet_norm_chunk,
+                cfg(
+                    c.linear_num_key_heads as u32,
+                    n as u32,
+                    whole_warps(c.linear_key_head_dim),
+                    0,
+                ),
+                &mut [
+                    arg(l.dims),
+                    arg(&l.proj),
+                    arg(&l.a_log),
+                    arg(&l.dt_bias),
+                    arg(&act),
+                    arg(&gates),
+                ],
+            )?;
+            let warps = c.linear_value_dim() / 4;
+            self.launch(
+                "deltanet_scan",
+                &self.k.deltanet_scan,
+                cfg(warps.div_ceil(8) as u32, 1, 256, 0),
+                &mut [
+                    arg(l.dims),
+                    arg(&act),
+                    arg(&gates),
+                    arg(&l.state),
+                    arg(&n32),
+                    arg(&raw),
+                ],
+            )?;
+            self.launch(
+                "deltanet_gated_norm",
+                &self.k.deltanet_gated_norm,
+                cfg(
+                    c.linear_num_value_heads as u32,
+                    n as u32,
+                    whole_warps(c.linear_value_head_dim),
+                    0,
+                ),
+                &mut [
+                    arg(l.dims),
+                    arg(&raw),
+                    arg(&l.proj),
+                    arg(&l.norm),
+                    arg(&l.out),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// DeltaNet over a chunk with the decode kernel walking the tokens (heads `deltanet_scan`
+    /// does not hold).
+    fn deltanet_per_token(&self, l: &DeltaNetParams, n: usize) -> Result<()> {
+        let c = &self.config;
+        let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
+        let n32 = n as i32;
+        // SAFETY: shapes checked at construction; proj and out hold n rows.
+        unsafe {
+            self.launch_clusters(
+                "deltanet_step",
+                &self.k.deltanet_step,
+                cfg(
+                    (c.linear_num_value_heads * gdn.splits) as u32,
+                    1,
+                    gdn.threads as u32,
+                    gdn.smem as u32,
+                ),
+                gdn.splits as u32,
+                &mut [
+                    arg(l.dims),
+                    arg(&l.proj),
+                    arg(&l.conv),
+                    arg(&l.conv_w),
+                    arg(&l.a_log),
+                    arg(&l.dt_bias),
+                    arg(&l.norm),
+                    arg(&l.state),
+                    arg(&l.position),
+                    arg(&n32),
+                    arg(&l.out),
+                ],
+            )
+        }?;
+        Ok(())
     }
 }

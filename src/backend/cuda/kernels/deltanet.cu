@@ -213,3 +213,159 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_conv_ring(DeltaNetDim
         conv_ring[((pos0 + t) % d.kernel) * conv_dim + ch] = proj[(size_t)t * proj_width + ch];
     }
 }
+
+// Prefill of a chunk of `tokens` tokens in three parallel passes around one sequential scan:
+// deltanet_conv_chunk (causal conv + SiLU of every channel of every token), deltanet_norm_chunk
+// (q/k L2 norms, the gates), deltanet_scan (the recurrence: a warp owns 4 columns of a head's
+// state, its lanes 4 rows each, so a token needs only warp reductions and the next token's
+// inputs are loaded while this one is reduced), deltanet_gated_norm.
+
+// act[t, ch] = silu(causal conv of channel ch at token t): the inputs before position[0] come
+// from the ring. Grid: (ceil(conv_dim / 256), tokens).
+extern "C" __global__ void __launch_bounds__(256) deltanet_conv_chunk(DeltaNetDims d, const float* proj,
+                                                                    const float* conv_ring, const float* conv_w,
+                                                                    const int* position, float* act) {
+    wait_for_previous_kernel();
+    const int conv_dim = 2 * d.key_heads * d.key_dim + d.value_heads * d.value_dim;
+    const int proj_width = deltanet_proj_width(d, conv_dim);
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (ch >= conv_dim) return;
+    const int pos0 = position[0];
+    float acc = 0.0f;
+    for (int j = 0; j < d.kernel; ++j) {
+        // Tap kernel - 1 - j takes the input j steps back.
+        const int back = t - j;
+        float in = 0.0f;
+        if (back >= 0) in = proj[(size_t)back * proj_width + ch];
+        else if (pos0 + back >= 0) in = conv_ring[((pos0 + back) % d.kernel) * conv_dim + ch];
+        acc += conv_w[ch * d.kernel + d.kernel - 1 - j] * in;
+    }
+    act[(size_t)t * conv_dim + ch] = silu(acc);
+}
+
+// L2-normalises each key head's q (also scaled by 1/sqrt(key_dim)) and k in act, and writes the
+// gates of its value heads: gates[t, h] = (beta, decay). Grid: (key_heads, tokens), key_dim
+// threads rounded up to whole warps.
+extern "C" __global__ void __launch_bounds__(256) deltanet_norm_chunk(DeltaNetDims d, const float* proj,
+                                                                    const float* a_log, const float* dt_bias,
+                                                                    float* act, float2* gates) {
+    __shared__ float scratch[32];
+    wait_for_previous_kernel();
+    const int kh = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
+    const int key_width = d.key_heads * d.key_dim;
+    const int conv_dim = 2 * key_width + d.value_heads * d.value_dim;
+    float* row = act + (size_t)t * conv_dim;
+    const bool mine = i < d.key_dim;
+    const float q = mine ? row[kh * d.key_dim + i] : 0.0f, k = mine ? row[key_width + kh * d.key_dim + i] : 0.0f;
+    const float qs = block_sum(q * q, scratch);
+    const float ks = block_sum(k * k, scratch);
+    if (mine) {
+        row[kh * d.key_dim + i] = q * rsqrtf(qs + 1e-6f) * rsqrtf((float)d.key_dim);
+        row[key_width + kh * d.key_dim + i] = k * rsqrtf(ks + 1e-6f);
+    }
+    const int ratio = d.value_heads / d.key_heads;
+    if (i < ratio) {
+        const int h = kh * ratio + i;
+        const float* zba = proj + (size_t)t * deltanet_proj_width(d, conv_dim) + conv_dim;
+        const float b = zba[d.value_heads * d.value_dim + h];
+        const float a = zba[d.value_heads * d.value_dim + d.value_heads + h];
+        gates[(size_t)t * d.value_heads + h] = make_float2(sigmoid(b), __expf(-__expf(a_log[h]) * softplus(a + dt_bias[h])));
+    }
+}
+
+// The gated delta rule over the chunk. Warp w owns columns 4w' .. 4w' + 3 of value head h (w'
+// the warp's index within the head); lane l rows 4l .. 4l + 3 (key_dim a multiple of 4, at most
+// 128; lanes past it hold zeros). Writes the raw output o[t, h, column] and leaves the state for
+// the next chunk or decode. Grid: value_heads * value_dim / 4 warps, 8 per block.
+extern "C" __global__ void __launch_bounds__(256) deltanet_scan(DeltaNetDims d, const float* act,
+                                                              const float2* gates, float* state, int tokens,
+                                                              float* o) {
+    wait_for_previous_kernel();
+    const int lane = threadIdx.x & 31;
+    const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int warps_per_head = d.value_dim / 4;
+    const int h = warp / warps_per_head, c0 = (warp % warps_per_head) * 4;
+    if (h >= d.value_heads) return;
+    const int kh = h / (d.value_heads / d.key_heads);
+    const int key_width = d.key_heads * d.key_dim;
+    const int conv_dim = 2 * key_width + d.value_heads * d.value_dim;
+    const int r0 = 4 * lane;
+    const bool rows_mine = r0 < d.key_dim;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float* S = state + (size_t)h * d.key_dim * d.value_dim;
+    float s[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float4 v = rows_mine ? *reinterpret_cast<const float4*>(S + (size_t)(r0 + i) * d.value_dim + c0) : zero;
+        s[i][0] = v.x; s[i][1] = v.y; s[i][2] = v.z; s[i][3] = v.w;
+    }
+    const size_t q_at = (size_t)kh * d.key_dim + r0, k_at = key_width + q_at;
+    const size_t v_at = 2 * (size_t)key_width + (size_t)h * d.value_dim + c0;
+    float4 q = rows_mine ? *reinterpret_cast<const float4*>(act + q_at) : zero;
+    float4 k = rows_mine ? *reinterpret_cast<const float4*>(act + k_at) : zero;
+    float4 v = *reinterpret_cast<const float4*>(act + v_at);
+    float2 g = gates[h];
+    for (int t = 0; t < tokens; ++t) {
+        // The next token's inputs go out before this token's reductions.
+        const int nt = min(t + 1, tokens - 1);
+        const float* next = act + (size_t)nt * conv_dim;
+        const float4 nq = rows_mine ? *reinterpret_cast<const float4*>(next + q_at) : zero;
+        const float4 nk = rows_mine ? *reinterpret_cast<const float4*>(next + k_at) : zero;
+        const float4 nv = *reinterpret_cast<const float4*>(next + v_at);
+        const float2 ng = gates[(size_t)nt * d.value_heads + h];
+        const float kr[4] = {k.x, k.y, k.z, k.w}, qr[4] = {q.x, q.y, q.z, q.w}, vc[4] = {v.x, v.y, v.z, v.w};
+        float kv[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float part = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s[i][j] *= g.y;
+                part += s[i][j] * kr[i];
+            }
+            kv[j] = part;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) kv[j] = warp_sum(kv[j]);
+        float out[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float delta = g.x * (vc[j] - kv[j]);
+            float part = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s[i][j] += kr[i] * delta;
+                part += s[i][j] * qr[i];
+            }
+            out[j] = part;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) out[j] = warp_sum(out[j]);
+        if (lane == 0)
+            *reinterpret_cast<float4*>(o + (size_t)t * d.value_heads * d.value_dim + (size_t)h * d.value_dim + c0) =
+                make_float4(out[0], out[1], out[2], out[3]);
+        q = nq; k = nk; v = nv; g = ng;
+    }
+    if (rows_mine)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<float4*>(S + (size_t)(r0 + i) * d.value_dim + c0) =
+                make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+}
+
+// out[t, h] = RMSNorm(o[t, h]) * norm_w * silu(z[t, h]) over each head's value_dim outputs.
+// Grid: (value_heads, tokens), value_dim threads rounded up to whole warps.
+extern "C" __global__ void __launch_bounds__(256) deltanet_gated_norm(DeltaNetDims d, const float* o, const float* proj,
+                                                                    const float* norm_w, float* out) {
+    __shared__ float scratch[32];
+    wait_for_previous_kernel();
+    const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
+    const int conv_dim = 2 * d.key_heads * d.key_dim + d.value_heads * d.value_dim;
+    const bool mine = i < d.value_dim;
+    const size_t at = (size_t)t * d.value_heads * d.value_dim + (size_t)h * d.value_dim + i;
+    const float x = mine ? o[at] : 0.0f;
+    const float ss = block_sum(x * x, scratch);
+    if (!mine) return;
+    const float z = proj[(size_t)t * deltanet_proj_width(d, conv_dim) + conv_dim + h * d.value_dim + i];
+    out[at] = x * rsqrtf(ss / d.value_dim + d.eps) * norm_w[i] * silu(z);
+}
