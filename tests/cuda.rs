@@ -307,7 +307,8 @@ fn tensor_core_matmul_matches_the_dequantised_product() {
     }
 }
 
-/// A prompt longer than a prefill chunk (three chunks, the last partial) against the CPU: the
+/// A prompt longer than a prefill chunk (2,500 tokens: three chunks of up to 1,024, the last
+/// partial) against the CPU: the
 /// last position's logits, then greedy decode steps continuing from the state prefill left
 /// (DeltaNet state and conv history, KV cache, position), in bf16 and in 4-bit (whose experts
 /// take the grouped tensor-core path).
@@ -325,7 +326,7 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
         let model = Arc::new(Model::load(&dir).unwrap());
         let vocab = model.config.vocab_size as u64;
         let mut seed = 0x2545_F491_4F6C_DD1Du64;
-        let prompt: Vec<u32> = (0..600)
+        let prompt: Vec<u32> = (0..2500)
             .map(|_| {
                 seed ^= seed << 13;
                 seed ^= seed >> 7;
@@ -338,7 +339,7 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
         let gpu = CudaBackend::new(
             &model,
             CudaOptions {
-                max_context: 1024,
+                max_context: 4096,
                 max_sequences: 1,
                 use_graphs: true,
             },

@@ -8,9 +8,9 @@ use super::CudaBackend;
 use super::weights::{DeviceWeight, ptr};
 use crate::model::{Matrix, Storage};
 
-/// Weight rows and tokens one `gemm_q4` block covers (GEMM_ROWS, GEMM_TOKENS).
-const GEMM_ROWS: usize = 128;
-const GEMM_TOKENS: usize = 64;
+/// Weight rows and tokens one `gemm_q4` block covers (GEMM_ROWS, GEMM_TOKENS in gemm.cu).
+pub(super) const GEMM_ROWS: usize = 128;
+pub(super) const GEMM_TOKENS: usize = 64;
 
 impl CudaBackend {
     /// `x` ([tokens, w.cols], row-major) times the transpose of the 4-bit matrix `w` on the GPU:
@@ -66,8 +66,8 @@ impl CudaBackend {
             .arg(&accumulate);
         let cfg = LaunchConfig {
             grid_dim: (
-                w.rows.div_ceil(GEMM_ROWS) as u32,
                 tokens.div_ceil(GEMM_TOKENS) as u32,
+                w.rows.div_ceil(GEMM_ROWS) as u32,
                 1,
             ),
             block_dim: (256, 1, 1),

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
+use super::gemm::{GEMM_ROWS, GEMM_TOKENS};
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
     ATTENTION_CHUNK, ATTENTION_THREADS, AttentionDims, CudaBackend, CudaState, DeltaNetDims,
@@ -17,13 +18,13 @@ use super::{
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
 
-/// Tokens per prefill chunk.
-pub(super) const PREFILL_CHUNK: usize = 256;
+/// Tokens per prefill chunk: the MoE reads every expert's weights once per chunk, so larger
+/// chunks read less; the chunk's activations take about 300 MB at full size.
+pub(super) const PREFILL_CHUNK: usize = 1024;
+/// Rows of logits computed at a time when every position's logits are asked for.
+const LOGITS_ROWS: usize = 128;
 /// Context splits per query token of the chunk's attention (each split walks its positions).
 const PREFILL_ATTENTION_SPLITS: usize = 4;
-/// Weight rows and tokens one `gemm_q4` block covers (GEMM_ROWS, GEMM_TOKENS in gemm.cu).
-pub(super) const GEMM_ROWS: usize = 128;
-pub(super) const GEMM_TOKENS: usize = 64;
 /// Assignments per tile of the grouped MoE product (GROUP_TILE in moe.cu).
 const GROUP_TILE: usize = 64;
 
@@ -341,10 +342,17 @@ impl CudaBackend {
         let final_norm = Some(p(&m.final_norm));
         match which {
             LogitsFor::All => {
-                let logits = s.alloc_zeros::<f32>(n * c.vocab_size)?;
-                let out = ptr(&logits, s);
-                self.project(ps, &m.lm_head, x, final_norm, out, false, n)?;
-                Ok(s.clone_dtoh(&logits)?)
+                let rows = s.alloc_zeros::<f32>(LOGITS_ROWS.min(n) * c.vocab_size)?;
+                let out = ptr(&rows, s);
+                let mut all = Vec::with_capacity(n * c.vocab_size);
+                for first in (0..n).step_by(LOGITS_ROWS) {
+                    let count = LOGITS_ROWS.min(n - first);
+                    let from = x + (first * c.hidden_size * 4) as u64;
+                    self.project(ps, &m.lm_head, from, final_norm, out, false, count)?;
+                    let part = s.clone_dtoh(&rows)?;
+                    all.extend_from_slice(&part[..count * c.vocab_size]);
+                }
+                Ok(all)
             }
             LogitsFor::Last => {
                 let last = x + ((n - 1) * c.hidden_size * 4) as u64;
@@ -519,7 +527,7 @@ impl CudaBackend {
                 self.launch(
                     "gemm_q4_grouped",
                     &self.k.gemm_q4_grouped,
-                    cfg(rows.div_ceil(GEMM_ROWS) as u32, tiles_max, 256, 0),
+                    cfg(tiles_max, rows.div_ceil(GEMM_ROWS) as u32, 256, 0),
                     &mut [
                         arg(&desc),
                         arg(&rows32),
@@ -631,8 +639,8 @@ impl CudaBackend {
                 "gemm_q4",
                 &self.k.gemm_q4,
                 cfg(
-                    w.rows.div_ceil(GEMM_ROWS) as u32,
                     n.div_ceil(GEMM_TOKENS) as u32,
+                    w.rows.div_ceil(GEMM_ROWS) as u32,
                     256,
                     0,
                 ),

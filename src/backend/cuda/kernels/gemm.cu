@@ -74,13 +74,15 @@ struct TokenTile {
 };
 
 // y[out_row(i), r] (+)= sum_k x16[in_row(i), k] w[row_base + r, k] * xscale[in_row(i)] for the
-// block's 128 rows r from blockIdx.x * 128 (below `rows`) and the tile's tokens; y rows are
-// `rows` floats wide.
-__device__ __forceinline__ void gemm_q4_tile(const Weight& w, int row_base, int rows, const TokenTile& tile,
-                                             const __half* x16, const float* xscale, float* y, int accumulate) {
+// block's 128 rows r from row_block * 128 (below `rows`) and the tile's tokens; y rows are `rows`
+// floats wide. The grids put the token tiles along x, so the blocks that share a row block run
+// together and read its weights from DRAM once.
+__device__ __forceinline__ void gemm_q4_tile(const Weight& w, int row_base, int rows, int row_block,
+                                             const TokenTile& tile, const __half* x16, const float* xscale, float* y,
+                                             int accumulate) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
-    const int row0 = blockIdx.x * GEMM_ROWS + (warp & 3) * 32;
+    const int row0 = row_block * GEMM_ROWS + (warp & 3) * 32;
     const int tok0 = (warp >> 2) * 32;
     if (row0 >= rows || tok0 >= tile.count) return;
     const int K = w.cols, chunks = K / GEMM_K, groups = K >> w.group_shift;
@@ -159,29 +161,29 @@ __device__ __forceinline__ void gemm_q4_tile(const Weight& w, int row_base, int 
 }
 
 // y[t, n] = sum_k x[t, k] w[n, k] (added to y when `accumulate`), y row-major [tokens, w.rows];
-// x16 and xscale from rows_to_half. w: 4-bit, group size >= 32. Grid: (ceil(rows / 128),
-// ceil(tokens / 64)), 256 threads.
+// x16 and xscale from rows_to_half. w: 4-bit, group size >= 32. Grid: (ceil(tokens / 64),
+// ceil(rows / 128)), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) gemm_q4(Weight w, const __half* x16, const float* xscale, int tokens,
                                                          float* y, int accumulate) {
     wait_for_previous_kernel();
-    const int start = blockIdx.y * GEMM_TOKENS;
+    const int start = blockIdx.x * GEMM_TOKENS;
     const TokenTile tile = {start, min(GEMM_TOKENS, tokens - start), nullptr, 1};
-    gemm_q4_tile(w, 0, w.rows, tile, x16, xscale, y, accumulate);
+    gemm_q4_tile(w, 0, w.rows, blockIdx.y, tile, x16, xscale, y, accumulate);
 }
 
 // The MoE experts' products over their tokens: w stacks the experts' matrices
 // [experts * rows_per_expert, cols]; tile blockIdx.y of `tiles` (expert, start, count in
 // `order`, at most 64 tokens; tiles beyond tile_count[0] exit) multiplies that expert's rows by
 // its assignments' x rows (assignment / in_div) into y rows per assignment
-// ([assignments, rows_per_expert]). Grid: (ceil(rows_per_expert / 128), most tiles), 256 threads.
+// ([assignments, rows_per_expert]). Grid: (most tiles, ceil(rows_per_expert / 128)), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) gemm_q4_grouped(Weight w, int rows_per_expert, const int* tiles,
                                                                  const int* tile_count, const int* order, int in_div,
                                                                  const __half* x16, const float* xscale, float* y) {
     wait_for_previous_kernel();
-    if ((int)blockIdx.y >= tile_count[0]) return;
-    const int* t = tiles + 3 * blockIdx.y;
+    if ((int)blockIdx.x >= tile_count[0]) return;
+    const int* t = tiles + 3 * blockIdx.x;
     const TokenTile tile = {t[1], t[2], order, in_div};
-    gemm_q4_tile(w, t[0] * rows_per_expert, rows_per_expert, tile, x16, xscale, y, 0);
+    gemm_q4_tile(w, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, tile, x16, xscale, y, 0);
 }
 
 // act16[a] = (silu(gate[a]) * up[a] * weight) in fp16, scaled and permuted as rows_to_half does,
