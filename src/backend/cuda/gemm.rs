@@ -2,20 +2,19 @@
 //! Y = X · Wᵀ with W in MLX 4-bit, dequantised inside the product (kernels/gemm.cu).
 
 use anyhow::{Result, ensure};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::CudaBackend;
 use super::weights::{DeviceWeight, ptr};
+use super::{CudaBackend, arg, cfg};
 use crate::model::{Matrix, Storage};
 
 /// Weight rows and tokens one `gemm_q4` block covers (GEMM_ROWS, GEMM_TOKENS in gemm.cu).
 pub(super) const GEMM_ROWS: usize = 128;
-pub(super) const GEMM_TOKENS: usize = 64;
+const GEMM_TOKENS: usize = 64;
 
 impl CudaBackend {
     /// `x` ([tokens, w.cols], row-major) times the transpose of the 4-bit matrix `w` on the GPU:
-    /// [tokens, w.rows], row-major. Uploads both, so it serves checks and measurements; the
-    /// prefill path will run the same kernels on device buffers.
+    /// [tokens, w.rows], row-major. Uploads both, so it serves checks and measurements; prefill
+    /// runs the same kernels on device buffers.
     pub fn matmul_q4(&self, w: &Matrix, x: &[f32], tokens: usize) -> Result<Vec<f32>> {
         let Storage::Quantized(q) = &w.storage else {
             anyhow::bail!("matmul_q4 takes a 4-bit matrix, not a dense one");
@@ -34,47 +33,80 @@ impl CudaBackend {
         );
         let s = &self.stream;
         let weight = DeviceWeight::upload(s, &[w])?;
-        let desc = weight.desc(s);
         let x_dev = s.clone_htod(x)?;
         let x16 = s.alloc_zeros::<u16>(x.len())?;
         let xscale = s.alloc_zeros::<f32>(tokens)?;
         let y = s.alloc_zeros::<f32>(tokens * w.rows)?;
-        let (xp, x16p, sp, yp) = (ptr(&x_dev, s), ptr(&x16, s), ptr(&xscale, s), ptr(&y, s));
-        let (cols, n) = (w.cols as i32, tokens as i32);
-        let accumulate = 0i32;
-        let (no_norm, eps) = (0u64, 0.0f32);
-        let mut b = s.launch_builder(&self.k.rows_to_half);
-        b.arg(&xp)
-            .arg(&cols)
-            .arg(&no_norm)
-            .arg(&eps)
-            .arg(&x16p)
-            .arg(&sp);
-        let cfg = LaunchConfig {
-            grid_dim: (tokens as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: x, x16 hold tokens * cols values, xscale tokens.
-        unsafe { b.launch(cfg) }?;
-        let mut b = s.launch_builder(&self.k.gemm_q4);
-        b.arg(&desc)
-            .arg(&x16p)
-            .arg(&sp)
-            .arg(&n)
-            .arg(&yp)
-            .arg(&accumulate);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                tokens.div_ceil(GEMM_TOKENS) as u32,
-                w.rows.div_ceil(GEMM_ROWS) as u32,
-                1,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: y holds tokens * rows values; the kernel clamps its reads to the shapes.
-        unsafe { b.launch(cfg) }?;
+        let (x16p, sp) = (ptr(&x16, s), ptr(&xscale, s));
+        self.rows_to_half(ptr(&x_dev, s), w.cols, None, tokens, x16p, sp)?;
+        self.gemm_rows(&weight, x16p, sp, tokens, ptr(&y, s), false)?;
         Ok(s.clone_dtoh(&y)?)
+    }
+
+    /// x16, xscale = the `n` rows of `cols` floats at `x` (RMS-normalised and scaled by `norm`
+    /// when given) in fp16, each divided by its power-of-two scale, in the permuted order the
+    /// tensor-core products read (rows_to_half).
+    pub(super) fn rows_to_half(
+        &self,
+        x: u64,
+        cols: usize,
+        norm: Option<u64>,
+        n: usize,
+        x16: u64,
+        xscale: u64,
+    ) -> Result<()> {
+        let (cols, norm, eps) = (cols as i32, norm.unwrap_or(0), self.config.rms_norm_eps);
+        // SAFETY: x holds n rows of cols floats, x16 n rows of cols halves, xscale n floats.
+        unsafe {
+            self.launch(
+                "rows_to_half",
+                &self.k.rows_to_half,
+                cfg(n as u32, 1, 256, 0),
+                &mut [
+                    arg(&x),
+                    arg(&cols),
+                    arg(&norm),
+                    arg(&eps),
+                    arg(&x16),
+                    arg(&xscale),
+                ],
+            )
+        }
+    }
+
+    /// y (+)= x16 · wᵀ for `n` rows already in fp16 (gemm_q4).
+    pub(super) fn gemm_rows(
+        &self,
+        w: &DeviceWeight,
+        x16: u64,
+        xscale: u64,
+        n: usize,
+        y: u64,
+        accumulate: bool,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let desc = w.desc(s);
+        let (tokens, acc) = (n as i32, accumulate as i32);
+        // SAFETY: x16 holds n rows of w.cols, y n rows of w.rows; the kernel clamps its reads.
+        unsafe {
+            self.launch(
+                "gemm_q4",
+                &self.k.gemm_q4,
+                cfg(
+                    n.div_ceil(GEMM_TOKENS) as u32,
+                    w.rows.div_ceil(GEMM_ROWS) as u32,
+                    256,
+                    0,
+                ),
+                &mut [
+                    arg(&desc),
+                    arg(&x16),
+                    arg(&xscale),
+                    arg(&tokens),
+                    arg(&y),
+                    arg(&acc),
+                ],
+            )
+        }
     }
 }

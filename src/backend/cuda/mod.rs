@@ -167,6 +167,43 @@ impl MoeDims {
     }
 }
 
+/// The buffers of one DeltaNet layer's launches (device addresses).
+struct DeltaNetParams<'a> {
+    dims: &'a DeltaNetDims,
+    proj: u64,
+    conv: u64,
+    conv_w: u64,
+    a_log: u64,
+    dt_bias: u64,
+    norm: u64,
+    state: u64,
+    position: u64,
+    out: u64,
+}
+
+/// The buffers of one attention layer's launches (device addresses).
+struct AttentionBuffers {
+    proj: u64,
+    q_norm: u64,
+    k_norm: u64,
+    position: u64,
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    part_max: u64,
+    part_sum: u64,
+    part_out: u64,
+    out: u64,
+}
+
+/// Where the MoE launches keep their per-token rows (device addresses).
+struct MoeBuffers {
+    router_logits: u64,
+    act: u64,
+    ids: u64,
+    weights: u64,
+}
+
 /// Dynamic shared memory of `moe_down`: the routed activations staged one after another, then
 /// the shared expert's.
 fn moe_down_smem(c: &ModelConfig) -> u32 {
@@ -800,6 +837,12 @@ impl CudaBackend {
         let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
         let gdn_dims = DeltaNetDims::new(c, gdn.splits);
         let attn_dims = AttentionDims::new(c, self.max_context, ATTENTION_SPLITS);
+        let moe_buffers = MoeBuffers {
+            router_logits: p(&sc.router_logits),
+            act: p(&sc.act),
+            ids: ptr(&sc.ids, s),
+            weights: p(&sc.weights),
+        };
 
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
@@ -813,35 +856,19 @@ impl CudaBackend {
                     norm,
                 } => {
                     self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false)?;
-                    let (conv, rec) = (p(&slot.conv[gdn_i]), p(&slot.recurrent[gdn_i]));
-                    let (cw, al, dtb, nw) = (p(conv_w), p(a_log), p(dt_bias), p(norm));
-                    // SAFETY: shapes checked at construction; the grid is whole clusters.
-                    unsafe {
-                        self.launch_clusters(
-                            "deltanet_step",
-                            &self.k.deltanet_step,
-                            cfg(
-                                (c.linear_num_value_heads * gdn.splits) as u32,
-                                1,
-                                gdn.threads as u32,
-                                gdn.smem as u32,
-                            ),
-                            gdn.splits as u32,
-                            &mut [
-                                arg(&gdn_dims),
-                                arg(&proj),
-                                arg(&conv),
-                                arg(&cw),
-                                arg(&al),
-                                arg(&dtb),
-                                arg(&nw),
-                                arg(&rec),
-                                arg(&position),
-                                arg(&ONE_TOKEN),
-                                arg(&core),
-                            ],
-                        )
-                    }?;
+                    let gdn_layer = DeltaNetParams {
+                        dims: &gdn_dims,
+                        proj,
+                        conv: p(&slot.conv[gdn_i]),
+                        conv_w: p(conv_w),
+                        a_log: p(a_log),
+                        dt_bias: p(dt_bias),
+                        norm: p(norm),
+                        state: p(&slot.recurrent[gdn_i]),
+                        position,
+                        out: core,
+                    };
+                    self.deltanet_step(&gdn_layer, 1)?;
                     self.matvec(out_proj, core, None, x, true)?;
                     gdn_i += 1;
                 }
@@ -852,73 +879,25 @@ impl CudaBackend {
                     k_norm,
                 } => {
                     self.matvec(qkv, x, Some(p(&layer.input_norm)), proj, false)?;
-                    let (kc, vc) = (ptr(&slot.kv[attn_i].0, s), ptr(&slot.kv[attn_i].1, s));
-                    let (qn, kn, q) = (p(q_norm), p(k_norm), p(&sc.q));
-                    let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
-                    // SAFETY: the host checks position < max_context before each step.
-                    unsafe {
-                        self.launch(
-                            "attention_prepare",
-                            &self.k.attention_prepare,
-                            cfg(blocks, 1, c.head_dim as u32, (c.head_dim * 4) as u32),
-                            &mut [
-                                arg(&attn_dims),
-                                arg(&proj),
-                                arg(&qn),
-                                arg(&kn),
-                                arg(&position),
-                                arg(&q),
-                                arg(&kc),
-                                arg(&vc),
-                            ],
-                        )
-                    }?;
-                    let (pm, ps, po) = (p(&sc.part_max), p(&sc.part_sum), p(&sc.part_out));
-                    // SAFETY: partial buffers hold heads * splits entries.
-                    unsafe {
-                        self.launch(
-                            "attention_split",
-                            &self.k.attention_split,
-                            cfg(
-                                c.num_key_value_heads as u32,
-                                ATTENTION_SPLITS as u32,
-                                ATTENTION_THREADS,
-                                (ATTENTION_CHUNK * c.head_dim * 2) as u32,
-                            ),
-                            &mut [
-                                arg(&attn_dims),
-                                arg(&q),
-                                arg(&kc),
-                                arg(&vc),
-                                arg(&position),
-                                arg(&pm),
-                                arg(&ps),
-                                arg(&po),
-                            ],
-                        )
-                    }?;
-                    // SAFETY: as above.
-                    unsafe {
-                        self.launch(
-                            "attention_combine",
-                            &self.k.attention_combine,
-                            cfg(c.num_attention_heads as u32, 1, c.head_dim as u32, 0),
-                            &mut [
-                                arg(&attn_dims),
-                                arg(&proj),
-                                arg(&position),
-                                arg(&pm),
-                                arg(&ps),
-                                arg(&po),
-                                arg(&core),
-                            ],
-                        )
-                    }?;
+                    let attn = AttentionBuffers {
+                        proj,
+                        q_norm: p(q_norm),
+                        k_norm: p(k_norm),
+                        position,
+                        q: p(&sc.q),
+                        k_cache: ptr(&slot.kv[attn_i].0, s),
+                        v_cache: ptr(&slot.kv[attn_i].1, s),
+                        part_max: p(&sc.part_max),
+                        part_sum: p(&sc.part_sum),
+                        part_out: p(&sc.part_out),
+                        out: core,
+                    };
+                    self.attention(&attn_dims, &attn, 1)?;
                     self.matvec(o_proj, core, None, x, true)?;
                     attn_i += 1;
                 }
             }
-            self.moe(layer, x)?;
+            self.moe(layer, &moe_buffers, x, 1)?;
         }
         let logits = p(&sc.logits);
         self.matvec(&m.lm_head, x, Some(p(&m.final_norm)), logits, false)?;
@@ -979,13 +958,120 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The MoE block of a layer, added to the residual `x`.
-    fn moe(&self, layer: &weights::DeviceLayer, x: u64) -> Result<()> {
-        let (c, s, sc) = (&self.config, &self.stream, &self.scratch);
-        let router = ptr(&sc.router_logits, s);
+    /// One DeltaNet layer's recurrence for `tokens` tokens with `deltanet_step` (conv, norms,
+    /// gates, state update and gated norm, token by token inside the kernel).
+    fn deltanet_step(&self, l: &DeltaNetParams, tokens: usize) -> Result<()> {
+        let c = &self.config;
+        let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
+        let tokens = tokens as i32;
+        // SAFETY: shapes checked at construction; proj and out hold a row per token; the grid is
+        // whole clusters.
+        unsafe {
+            self.launch_clusters(
+                "deltanet_step",
+                &self.k.deltanet_step,
+                cfg(
+                    (c.linear_num_value_heads * gdn.splits) as u32,
+                    1,
+                    gdn.threads as u32,
+                    gdn.smem as u32,
+                ),
+                gdn.splits as u32,
+                &mut [
+                    arg(l.dims),
+                    arg(&l.proj),
+                    arg(&l.conv),
+                    arg(&l.conv_w),
+                    arg(&l.a_log),
+                    arg(&l.dt_bias),
+                    arg(&l.norm),
+                    arg(&l.state),
+                    arg(&l.position),
+                    arg(&tokens),
+                    arg(&l.out),
+                ],
+            )
+        }?;
+        Ok(())
+    }
+
+    /// One attention layer for `tokens` tokens at consecutive positions: q/k norms, RoPE and the
+    /// cache append, the context splits, their merge with the output gate.
+    fn attention(&self, dims: &AttentionDims, b: &AttentionBuffers, tokens: usize) -> Result<()> {
+        let c = &self.config;
+        let tokens = tokens as u32;
+        let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
+        // SAFETY: the host checks every position against max_context; q, proj and out hold a
+        // row per token, the partial buffers tokens * heads * dims.splits entries.
+        unsafe {
+            self.launch(
+                "attention_prepare",
+                &self.k.attention_prepare,
+                cfg(blocks, tokens, c.head_dim as u32, (c.head_dim * 4) as u32),
+                &mut [
+                    arg(dims),
+                    arg(&b.proj),
+                    arg(&b.q_norm),
+                    arg(&b.k_norm),
+                    arg(&b.position),
+                    arg(&b.q),
+                    arg(&b.k_cache),
+                    arg(&b.v_cache),
+                ],
+            )?;
+            let mut split = cfg(
+                c.num_key_value_heads as u32,
+                dims.splits as u32,
+                ATTENTION_THREADS,
+                (ATTENTION_CHUNK * c.head_dim * 2) as u32,
+            );
+            split.grid_dim.2 = tokens;
+            self.launch(
+                "attention_split",
+                &self.k.attention_split,
+                split,
+                &mut [
+                    arg(dims),
+                    arg(&b.q),
+                    arg(&b.k_cache),
+                    arg(&b.v_cache),
+                    arg(&b.position),
+                    arg(&b.part_max),
+                    arg(&b.part_sum),
+                    arg(&b.part_out),
+                ],
+            )?;
+            self.launch(
+                "attention_combine",
+                &self.k.attention_combine,
+                cfg(c.num_attention_heads as u32, tokens, c.head_dim as u32, 0),
+                &mut [
+                    arg(dims),
+                    arg(&b.proj),
+                    arg(&b.position),
+                    arg(&b.part_max),
+                    arg(&b.part_sum),
+                    arg(&b.part_out),
+                    arg(&b.out),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The MoE block of a layer for `tokens` rows of the residual `x`, added to it, through the
+    /// decode kernels (the tokens along the grid's z dimension); `b` holds a row per token.
+    fn moe(
+        &self,
+        layer: &weights::DeviceLayer,
+        b: &MoeBuffers,
+        x: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
         let post = ptr(&layer.post_norm, s);
         let dims = MoeDims::new(c);
-        let (act, ids, weights) = (ptr(&sc.act, s), ptr(&sc.ids, s), ptr(&sc.weights, s));
+        let (router, act, ids, weights) = (b.router_logits, b.act, b.ids, b.weights);
         let (r, g, u, sg, su) = (
             layer.router.desc(s),
             layer.gate.desc(s),
@@ -1001,12 +1087,14 @@ impl CudaBackend {
             .rows
             .div_ceil(warps)
             .max(gate_up_blocks(c.shared_expert_intermediate_size)) as u32;
-        // SAFETY: router_logits holds experts + 1 floats, act (top_k + 1) * inter floats.
+        let mut launch = cfg(blocks, 2, MATVEC_THREADS, smem);
+        launch.grid_dim.2 = tokens as u32;
+        // SAFETY: per token, router_logits holds experts + 1 floats, act (top_k + 1) * inter.
         unsafe {
             self.launch(
                 "moe_router_shared",
                 &self.k.moe_router_shared,
-                cfg(blocks, 2, MATVEC_THREADS, smem),
+                launch,
                 &mut [
                     arg(&dims),
                     arg(&r),
@@ -1019,13 +1107,19 @@ impl CudaBackend {
                 ],
             )
         }?;
-        let blocks = gate_up_blocks(c.moe_intermediate_size) as u32;
-        // SAFETY: as above; ids and weights hold top_k + 1 entries.
+        let mut launch = cfg(
+            gate_up_blocks(c.moe_intermediate_size) as u32,
+            c.num_experts_per_tok as u32,
+            MATVEC_THREADS,
+            smem,
+        );
+        launch.grid_dim.2 = tokens as u32;
+        // SAFETY: as above; ids and weights hold top_k + 1 entries per token.
         unsafe {
             self.launch(
                 "moe_gate_up",
                 &self.k.moe_gate_up,
-                cfg(blocks, c.num_experts_per_tok as u32, MATVEC_THREADS, smem),
+                launch,
                 &mut [
                     arg(&dims),
                     arg(&g),
@@ -1039,8 +1133,7 @@ impl CudaBackend {
                 ],
             )
         }?;
-
-        self.moe_down_launch(layer, &dims, act, ids, weights, x, 1)
+        self.moe_down_launch(layer, &dims, act, ids, weights, x, tokens)
     }
 
     /// `moe_down` for `tokens` rows: every slot's down projection, weighted, added to the

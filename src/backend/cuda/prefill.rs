@@ -9,11 +9,11 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::gemm::{GEMM_ROWS, GEMM_TOKENS};
+use super::gemm::GEMM_ROWS;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
-    ATTENTION_CHUNK, ATTENTION_THREADS, AttentionDims, CudaBackend, CudaState, DeltaNetDims,
-    DeltaNetShape, GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeDims, arg, cfg, staged_bytes,
+    AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
+    DeltaNetShape, MoeBuffers, MoeDims, arg, cfg,
 };
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
@@ -178,25 +178,8 @@ impl CudaBackend {
         }?;
 
         let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
-        let gdn_dims = DeltaNetDims {
-            key_heads: c.linear_num_key_heads as i32,
-            value_heads: c.linear_num_value_heads as i32,
-            key_dim: c.linear_key_head_dim as i32,
-            value_dim: c.linear_value_head_dim as i32,
-            kernel: c.linear_conv_kernel_dim as i32,
-            splits: gdn.splits as i32,
-            eps: c.rms_norm_eps,
-        };
-        let attn_dims = AttentionDims {
-            heads: c.num_attention_heads as i32,
-            kv_heads: c.num_key_value_heads as i32,
-            head_dim: c.head_dim as i32,
-            rotary_dim: c.rotary_dim as i32,
-            max_context: self.max_context as i32,
-            splits: PREFILL_ATTENTION_SPLITS as i32,
-            eps: c.rms_norm_eps,
-            rope_theta: c.rope_theta as f32,
-        };
+        let gdn_dims = DeltaNetDims::new(c, gdn.splits);
+        let attn_dims = AttentionDims::new(c, self.max_context, PREFILL_ATTENTION_SPLITS);
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
             match &layer.mixer {
@@ -209,24 +192,23 @@ impl CudaBackend {
                     norm,
                 } => {
                     self.project(ps, in_proj, x, Some(p(&layer.input_norm)), proj, false, n)?;
-                    let (conv, rec) = (p(&slot.conv[gdn_i]), p(&slot.recurrent[gdn_i]));
-                    let (cw, al, dtb, nw) = (p(conv_w), p(a_log), p(dt_bias), p(norm));
+                    let conv = p(&slot.conv[gdn_i]);
                     let params = DeltaNetParams {
                         dims: &gdn_dims,
                         proj,
                         conv,
-                        conv_w: cw,
-                        a_log: al,
-                        dt_bias: dtb,
-                        norm: nw,
-                        state: rec,
+                        conv_w: p(conv_w),
+                        a_log: p(a_log),
+                        dt_bias: p(dt_bias),
+                        norm: p(norm),
+                        state: p(&slot.recurrent[gdn_i]),
                         position,
                         out: core,
                     };
                     if scan_fits(c) {
                         self.deltanet_scan_chunk(ps, &params, n)?;
                     } else {
-                        self.deltanet_per_token(&params, n)?;
+                        self.deltanet_step(&params, n)?;
                     }
                     if n > 1 {
                         let entries = n.min(c.linear_conv_kernel_dim) * c.linear_conv_dim();
@@ -256,70 +238,20 @@ impl CudaBackend {
                     k_norm,
                 } => {
                     self.project(ps, qkv, x, Some(p(&layer.input_norm)), proj, false, n)?;
-                    let (kc, vc) = (ptr(&slot.kv[attn_i].0, s), ptr(&slot.kv[attn_i].1, s));
-                    let (qn, kn, q) = (p(q_norm), p(k_norm), p(&ps.q));
-                    let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
-                    // SAFETY: positions up to position + n are checked against the context above.
-                    unsafe {
-                        self.launch(
-                            "attention_prepare",
-                            &self.k.attention_prepare,
-                            cfg(blocks, n as u32, c.head_dim as u32, (c.head_dim * 4) as u32),
-                            &mut [
-                                arg(&attn_dims),
-                                arg(&proj),
-                                arg(&qn),
-                                arg(&kn),
-                                arg(&position),
-                                arg(&q),
-                                arg(&kc),
-                                arg(&vc),
-                            ],
-                        )
-                    }?;
-                    let (pm, pss, po) = (p(&ps.part_max), p(&ps.part_sum), p(&ps.part_out));
-                    let mut split_cfg = cfg(
-                        c.num_key_value_heads as u32,
-                        PREFILL_ATTENTION_SPLITS as u32,
-                        ATTENTION_THREADS,
-                        (ATTENTION_CHUNK * c.head_dim * 2) as u32,
-                    );
-                    split_cfg.grid_dim.2 = n as u32;
-                    // SAFETY: partial buffers hold n * heads * PREFILL_ATTENTION_SPLITS entries.
-                    unsafe {
-                        self.launch(
-                            "attention_split",
-                            &self.k.attention_split,
-                            split_cfg,
-                            &mut [
-                                arg(&attn_dims),
-                                arg(&q),
-                                arg(&kc),
-                                arg(&vc),
-                                arg(&position),
-                                arg(&pm),
-                                arg(&pss),
-                                arg(&po),
-                            ],
-                        )
-                    }?;
-                    // SAFETY: as above.
-                    unsafe {
-                        self.launch(
-                            "attention_combine",
-                            &self.k.attention_combine,
-                            cfg(c.num_attention_heads as u32, n as u32, c.head_dim as u32, 0),
-                            &mut [
-                                arg(&attn_dims),
-                                arg(&proj),
-                                arg(&position),
-                                arg(&pm),
-                                arg(&pss),
-                                arg(&po),
-                                arg(&core),
-                            ],
-                        )
-                    }?;
+                    let attn = AttentionBuffers {
+                        proj,
+                        q_norm: p(q_norm),
+                        k_norm: p(k_norm),
+                        position,
+                        q: p(&ps.q),
+                        k_cache: ptr(&slot.kv[attn_i].0, s),
+                        v_cache: ptr(&slot.kv[attn_i].1, s),
+                        part_max: p(&ps.part_max),
+                        part_sum: p(&ps.part_sum),
+                        part_out: p(&ps.part_out),
+                        out: core,
+                    };
+                    self.attention(&attn_dims, &attn, n)?;
                     self.project(ps, o_proj, core, None, x, true, n)?;
                     attn_i += 1;
                 }
@@ -377,32 +309,13 @@ impl CudaBackend {
         n: usize,
     ) -> Result<()> {
         let s = &self.stream;
-        let desc = w.desc(s);
-        let norm = norm.unwrap_or(0);
-        let eps = self.config.rms_norm_eps;
-        let acc = accumulate as i32;
         if w.bits == 4 && w.group >= 32 {
             let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
-            let cols = w.cols as i32;
-            // SAFETY: x holds n rows of cols floats; x16 and xscale are sized for a chunk of the
-            // widest input.
-            unsafe {
-                self.launch(
-                    "rows_to_half",
-                    &self.k.rows_to_half,
-                    cfg(n as u32, 1, 256, 0),
-                    &mut [
-                        arg(&x),
-                        arg(&cols),
-                        arg(&norm),
-                        arg(&eps),
-                        arg(&x16),
-                        arg(&xs),
-                    ],
-                )
-            }?;
+            self.rows_to_half(x, w.cols, norm, n, x16, xs)?;
             self.gemm_rows(w, x16, xs, n, y, accumulate)?;
         } else {
+            let (desc, norm) = (w.desc(s), norm.unwrap_or(0));
+            let (eps, acc) = (self.config.rms_norm_eps, accumulate as i32);
             let mut launch = self.matvec_cfg(w);
             launch.grid_dim.1 = n as u32;
             // SAFETY: x and y hold n rows of w.cols and w.rows floats.
@@ -439,7 +352,14 @@ impl CudaBackend {
         if experts.iter().chain(&shared).all(|w| on_tensor_cores(w)) {
             self.moe_chunk_grouped(ps, layer, x, n)
         } else {
-            self.moe_chunk_per_token(ps, layer, x, n)
+            let s = &self.stream;
+            let buffers = MoeBuffers {
+                router_logits: ptr(&ps.router_logits, s),
+                act: ptr(&ps.act, s),
+                ids: ptr(&ps.ids, s),
+                weights: ptr(&ps.weights, s),
+            };
+            self.moe(layer, &buffers, x, n)
         }
     }
 
@@ -458,14 +378,7 @@ impl CudaBackend {
         let router = p(&ps.router_logits);
         // Router first: a 4-bit router would reuse x16, which then holds the normed input.
         self.project(ps, &layer.router, x, Some(post), router, false, n)?;
-        let dims = MoeDims {
-            experts: c.num_experts as i32,
-            top_k: c.num_experts_per_tok as i32,
-            intermediate: c.moe_intermediate_size as i32,
-            shared_intermediate: c.shared_expert_intermediate_size as i32,
-            hidden: c.hidden_size as i32,
-            eps: c.rms_norm_eps,
-        };
+        let dims = MoeDims::new(c);
         let (ids, weights) = (ptr(&ps.ids, s), p(&ps.weights));
         // SAFETY: router_logits, ids and weights hold n rows.
         unsafe {
@@ -497,24 +410,7 @@ impl CudaBackend {
         }?;
         // The normed input of every expert, shared included, in fp16.
         let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
-        let hidden = c.hidden_size as i32;
-        let eps = c.rms_norm_eps;
-        // SAFETY: x holds n rows of hidden floats; x16 and xscale n rows.
-        unsafe {
-            self.launch(
-                "rows_to_half",
-                &self.k.rows_to_half,
-                cfg(n as u32, 1, 256, 0),
-                &mut [
-                    arg(&x),
-                    arg(&hidden),
-                    arg(&post),
-                    arg(&eps),
-                    arg(&x16),
-                    arg(&xs),
-                ],
-            )
-        }?;
+        self.rows_to_half(x, c.hidden_size, Some(post), n, x16, xs)?;
         let (gate_rows, up_rows, down_rows) = (p(&ps.gate_rows), p(&ps.up_rows), p(&ps.down_rows));
         let (act16, actscale) = (ptr(&ps.act16, s), p(&ps.actscale));
         let top_k = c.num_experts_per_tok as i32;
@@ -556,13 +452,14 @@ impl CudaBackend {
             actscale,
         )?;
         grouped(&layer.down, c.hidden_size, act16, actscale, 1, down_rows)?;
+        let hidden32 = c.hidden_size as i32;
         // SAFETY: down_rows holds n * top_k rows of hidden floats, x n rows.
         unsafe {
             self.launch(
                 "add_expert_rows",
                 &self.k.add_expert_rows,
                 cfg(c.hidden_size.div_ceil(256) as u32, n as u32, 256, 0),
-                &mut [arg(&down_rows), arg(&top_k), arg(&hidden), arg(&x)],
+                &mut [arg(&down_rows), arg(&top_k), arg(&hidden32), arg(&x)],
             )
         }?;
 
@@ -619,141 +516,6 @@ impl CudaBackend {
             )
         }
     }
-
-    /// y (+)= x16 · wᵀ for `n` rows already in fp16 (gemm_q4).
-    fn gemm_rows(
-        &self,
-        w: &DeviceWeight,
-        x16: u64,
-        xscale: u64,
-        n: usize,
-        y: u64,
-        accumulate: bool,
-    ) -> Result<()> {
-        let s = &self.stream;
-        let desc = w.desc(s);
-        let (tokens, acc) = (n as i32, accumulate as i32);
-        // SAFETY: x16 holds n rows of w.cols, y n rows of w.rows; the kernel clamps its reads.
-        unsafe {
-            self.launch(
-                "gemm_q4",
-                &self.k.gemm_q4,
-                cfg(
-                    n.div_ceil(GEMM_TOKENS) as u32,
-                    w.rows.div_ceil(GEMM_ROWS) as u32,
-                    256,
-                    0,
-                ),
-                &mut [
-                    arg(&desc),
-                    arg(&x16),
-                    arg(&xscale),
-                    arg(&tokens),
-                    arg(&y),
-                    arg(&acc),
-                ],
-            )
-        }
-    }
-
-    /// The MoE block for `n` token rows through the decode kernels, the tokens along the grid's
-    /// z dimension (weights that are not 4-bit).
-    fn moe_chunk_per_token(
-        &self,
-        ps: &PrefillScratch,
-        layer: &super::weights::DeviceLayer,
-        x: u64,
-        n: usize,
-    ) -> Result<()> {
-        let (c, s) = (&self.config, &self.stream);
-        let router = ptr(&ps.router_logits, s);
-        let post = ptr(&layer.post_norm, s);
-        let dims = MoeDims {
-            experts: c.num_experts as i32,
-            top_k: c.num_experts_per_tok as i32,
-            intermediate: c.moe_intermediate_size as i32,
-            shared_intermediate: c.shared_expert_intermediate_size as i32,
-            hidden: c.hidden_size as i32,
-            eps: c.rms_norm_eps,
-        };
-        let (act, ids, weights) = (ptr(&ps.act, s), ptr(&ps.ids, s), ptr(&ps.weights, s));
-        let (r, g, u, sg, su) = (
-            layer.router.desc(s),
-            layer.gate.desc(s),
-            layer.up.desc(s),
-            layer.shared_gate.desc(s),
-            layer.shared_up.desc(s),
-        );
-        let smem = staged_bytes(&[c.hidden_size]);
-        let warps = MATVEC_THREADS as usize / 32;
-        let gate_up_blocks = |rows: usize| rows.div_ceil(warps * GATE_UP_ROWS_PER_WARP);
-        let blocks = layer
-            .router
-            .rows
-            .div_ceil(warps)
-            .max(gate_up_blocks(c.shared_expert_intermediate_size)) as u32;
-        let mut launch = cfg(blocks, 2, MATVEC_THREADS, smem);
-        launch.grid_dim.2 = n as u32;
-        // SAFETY: the chunk buffers hold n rows of each.
-        unsafe {
-            self.launch(
-                "moe_router_shared",
-                &self.k.moe_router_shared,
-                launch,
-                &mut [
-                    arg(&dims),
-                    arg(&r),
-                    arg(&sg),
-                    arg(&su),
-                    arg(&x),
-                    arg(&post),
-                    arg(&router),
-                    arg(&act),
-                ],
-            )
-        }?;
-        let mut launch = cfg(
-            gate_up_blocks(c.moe_intermediate_size) as u32,
-            c.num_experts_per_tok as u32,
-            MATVEC_THREADS,
-            smem,
-        );
-        launch.grid_dim.2 = n as u32;
-        // SAFETY: as above.
-        unsafe {
-            self.launch(
-                "moe_gate_up",
-                &self.k.moe_gate_up,
-                launch,
-                &mut [
-                    arg(&dims),
-                    arg(&g),
-                    arg(&u),
-                    arg(&x),
-                    arg(&post),
-                    arg(&router),
-                    arg(&act),
-                    arg(&ids),
-                    arg(&weights),
-                ],
-            )
-        }?;
-        self.moe_down_launch(layer, &dims, act, ids, weights, x, n)
-    }
-}
-
-/// The buffers and dims of one DeltaNet layer's prefill.
-struct DeltaNetParams<'a> {
-    dims: &'a DeltaNetDims,
-    proj: u64,
-    conv: u64,
-    conv_w: u64,
-    a_log: u64,
-    dt_bias: u64,
-    norm: u64,
-    state: u64,
-    position: u64,
-    out: u64,
 }
 
 /// Whether `deltanet_scan` holds the model's heads: a lane keeps 4 of at most 128 key rows, a warp
@@ -843,42 +605,6 @@ impl CudaBackend {
                 ],
             )?;
         }
-        Ok(())
-    }
-
-    /// DeltaNet over a chunk with the decode kernel walking the tokens (heads `deltanet_scan`
-    /// does not hold).
-    fn deltanet_per_token(&self, l: &DeltaNetParams, n: usize) -> Result<()> {
-        let c = &self.config;
-        let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
-        let n32 = n as i32;
-        // SAFETY: shapes checked at construction; proj and out hold n rows.
-        unsafe {
-            self.launch_clusters(
-                "deltanet_step",
-                &self.k.deltanet_step,
-                cfg(
-                    (c.linear_num_value_heads * gdn.splits) as u32,
-                    1,
-                    gdn.threads as u32,
-                    gdn.smem as u32,
-                ),
-                gdn.splits as u32,
-                &mut [
-                    arg(l.dims),
-                    arg(&l.proj),
-                    arg(&l.conv),
-                    arg(&l.conv_w),
-                    arg(&l.a_log),
-                    arg(&l.dt_bias),
-                    arg(&l.norm),
-                    arg(&l.state),
-                    arg(&l.position),
-                    arg(&n32),
-                    arg(&l.out),
-                ],
-            )
-        }?;
         Ok(())
     }
 }

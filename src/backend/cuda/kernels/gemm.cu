@@ -31,6 +31,13 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t w, int c, __half2 scal
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// The input stored at position i of a permuted row: within each group of 8, positions
+// (0, 1, 2, 3, 4, 5, 6, 7) hold inputs (0, 4, 1, 5, 2, 6, 3, 7).
+__device__ __forceinline__ int permuted_input(int i) {
+    const int p = i & 7;
+    return (i & ~7) + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
+}
+
 // x16[t] = x[t] / xscale[t] in fp16 (RMS-normalised and scaled by norm_scale first when it is
 // non-null), inputs permuted within groups of 8 (see above); xscale[t] is the power of two that
 // brings max |x[t]| under 2^15. One block of 256 threads per token; K a multiple of 8.
@@ -52,9 +59,7 @@ extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, i
     const float s = mx > 0.0f ? exp2f(ceilf(log2f(mx)) - 14.0f) : 1.0f;
     const float r = inv / s;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        // Position i of the stored row holds input base + (i % 8 even ? (i % 8) / 2 : 4 + (i % 8) / 2).
-        const int base = i & ~7, p = i & 7;
-        const int src = base + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
+        const int src = permuted_input(i);
         const float v = row[src] * r;
         x16[t * K + i] = __float2half_rn(norm_scale != nullptr ? v * norm_scale[src] : v);
     }
@@ -205,8 +210,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_to_half(const float* ga
     const float s = mx > 0.0f ? exp2f(ceilf(log2f(mx)) - 14.0f) : 1.0f;
     const float r = wa / s;
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        const int base = i & ~7, p = i & 7;
-        const int src = base + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
+        const int src = permuted_input(i);
         act16[a * width + i] = __float2half_rn(silu(gate[a * width + src]) * up[a * width + src] * r);
     }
     if (threadIdx.x == 0) actscale[a] = s;
