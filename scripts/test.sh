@@ -24,7 +24,7 @@ cargo test --release
 LILY_BIN="$PWD/target/release/lily" .venv/bin/python -m pytest -q tests/python
 
 cargo build --release --features cuda --target-dir target/cuda
-# The CUDA backend's host-side logic (launch shapes, staging sizes) needs no GPU.
-cargo test --release --features cuda --target-dir target/cuda --lib backend::cuda
+# The CUDA backend's host-side logic (launch shapes, staging sizes, bench arithmetic) needs no GPU.
+cargo test --release --features cuda --target-dir target/cuda --lib -- backend::cuda bench
 LD_LIBRARY_PATH="$cuda_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     CUDA_INCLUDE_DIR="$cuda_root/include" target/cuda/release/lily kernels --check

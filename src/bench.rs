@@ -8,7 +8,7 @@ use anyhow::{Result, ensure};
 use crate::backend::cuda::weights::WeightFormat;
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, LogitsFor};
-use crate::config::ModelConfig;
+use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
 
 /// Qwen3.6-35B-A3B's text configuration, for synthetic runs.
@@ -82,6 +82,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             Ok(())
         })?;
     }
+    drop(state);
+
+    // A second prefill, with the parts timed on the GPU (events cost a little, so not the first).
+    let mut state = backend.new_state()?;
+    let split = backend.time_prefill_parts(|| {
+        backend.prefill(&mut state, &prompt, LogitsFor::Last)?;
+        Ok(())
+    })?;
+    drop(state);
+    let split_s: f64 = split.iter().map(|(_, ms)| ms / 1e3).sum();
+    let flops = prefill_flops(backend.config(), args.prompt);
+    let tensor_rate = backend.tensor_core_rate()?;
+
     let context = args.prompt + args.generate / 2;
     let bytes = backend.decode_bytes_per_token(context);
     let achieved = bytes as f64 * decode_tok_s;
@@ -106,6 +119,29 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         args.prompt as f64 / prefill_s
     );
     println!(
+        "prefill work       {:.2} TFLOP: {:.1} TFLOP/s = {:.1}% of the measured fp16 tensor-core \
+         rate ({:.0} TFLOP/s, mma.sync m16n8k16)",
+        flops / 1e12,
+        flops / prefill_s / 1e12,
+        100.0 * flops / prefill_s / tensor_rate,
+        tensor_rate / 1e12
+    );
+    let parts: Vec<String> = split
+        .iter()
+        .map(|(part, ms)| {
+            format!(
+                "{} {ms:.1} ms ({:.0}%)",
+                part.name(),
+                100.0 * ms / 1e3 / split_s
+            )
+        })
+        .collect();
+    println!(
+        "prefill split      {} (second run, {:.1} ms in all)",
+        parts.join(", "),
+        split_s * 1e3
+    );
+    println!(
         "decode             {decode_tok_s:.1} tok/s at ~{context} context ({:.3} ms/token)",
         1e3 / decode_tok_s
     );
@@ -122,6 +158,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "prefill_tokens": args.prompt,
             "prefill_tok_s": args.prompt as f64 / prefill_s,
             "ttft_ms": prefill_s * 1e3,
+            "prefill_tflop": flops / 1e12,
+            "prefill_tflop_s": flops / prefill_s / 1e12,
+            "tensor_core_tflop_s": tensor_rate / 1e12,
+            "prefill_split_ms": split
+                .iter()
+                .map(|(part, ms)| (part.name().to_string(), serde_json::json!(ms)))
+                .collect::<serde_json::Map<_, _>>(),
             "decode_tokens": args.generate,
             "decode_tok_s": decode_tok_s,
             "decode_bytes_per_token": bytes,
@@ -134,4 +177,60 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         })
     );
     Ok(())
+}
+
+/// Floating-point operations of prefilling `tokens` tokens from an empty context, counting 2 per
+/// multiply-add: every weight matrix a token passes through (mixer projections, router, its
+/// routed experts and the shared expert), lm_head for the last token only, attention scores and
+/// values over each token's causal context, and the DeltaNet recurrence (a state read, update
+/// and output per state entry).
+pub fn prefill_flops(c: &ModelConfig, tokens: usize) -> f64 {
+    let h = c.hidden_size as f64;
+    let t = tokens as f64;
+    let attn_width = (c.num_attention_heads * c.head_dim) as f64;
+    let kv_width = (c.num_key_value_heads * c.head_dim) as f64;
+    let value_dim = c.linear_value_dim() as f64;
+    let state = (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim) as f64;
+    let deltanet_proj =
+        (c.linear_conv_dim() as f64 + value_dim + 2.0 * c.linear_num_value_heads as f64) * h
+            + value_dim * h;
+    let attention_proj = (2.0 * attn_width + 2.0 * kv_width) * h + attn_width * h;
+    let moe = (c.num_experts as f64 + 1.0) * h
+        + 3.0
+            * h
+            * (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size)
+                as f64;
+    let mut per_token_macs = 0.0;
+    let mut attention_layers = 0.0;
+    for kind in &c.layer_kinds {
+        per_token_macs += moe;
+        match kind {
+            LayerKind::LinearAttention => per_token_macs += deltanet_proj + 3.0 * state,
+            LayerKind::FullAttention => {
+                per_token_macs += attention_proj;
+                attention_layers += 1.0;
+            }
+        }
+    }
+    // Token i attends to i + 1 positions: scores and values, head_dim each, per query head.
+    let causal_positions = t * (t + 1.0) / 2.0;
+    let attention_macs = attention_layers * 2.0 * attn_width * causal_positions;
+    let lm_head_macs = h * c.vocab_size as f64;
+    2.0 * (per_token_macs * t + attention_macs + lm_head_macs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_work_of_the_full_model_is_its_active_weights_plus_attention() {
+        let c = ModelConfig::from_json_str(FULL_SIZE_CONFIG).unwrap();
+        let one = prefill_flops(&c, 1);
+        // About 3B active parameters per token, lm_head (0.5B) and the embedding (not a product) included.
+        assert!((4.0e9..6.0e9).contains(&one), "{one}");
+        // Attention grows with the square of the prompt: 4x the tokens is more than 4x the work.
+        let (short, long) = (prefill_flops(&c, 4096), prefill_flops(&c, 16384));
+        assert!(long > 4.0 * short && long < 5.0 * short, "{short} {long}");
+    }
 }

@@ -109,4 +109,33 @@ impl CudaBackend {
             )
         }
     }
+
+    /// The fp16 tensor-core rate (FLOP/s) this GPU sustains for the m16n8k16 products the
+    /// prefill kernels use, measured with products on registers only (mma_peak).
+    pub fn tensor_core_rate(&self) -> Result<f64> {
+        const ITERS: i32 = 1 << 12;
+        const FLOP_PER_MMA: f64 = 2.0 * 16.0 * 8.0 * 16.0;
+        let s = &self.stream;
+        let out = s.alloc_zeros::<f32>(256)?;
+        let out_ptr = ptr(&out, s);
+        let blocks = self.num_sms * 4;
+        let run = |iters: i32| -> Result<f64> {
+            let start = std::time::Instant::now();
+            // SAFETY: mma_peak writes at most 256 floats of out.
+            unsafe {
+                self.launch(
+                    "mma_peak",
+                    &self.k.mma_peak,
+                    cfg(blocks, 1, 256, 0),
+                    &mut [arg(&iters), arg(&out_ptr)],
+                )
+            }?;
+            s.synchronize()?;
+            Ok(start.elapsed().as_secs_f64())
+        };
+        run(16)?;
+        let secs = run(ITERS)?;
+        let mmas = blocks as f64 * 8.0 * ITERS as f64 * 8.0;
+        Ok(mmas * FLOP_PER_MMA / secs)
+    }
 }

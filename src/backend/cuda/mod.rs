@@ -14,6 +14,7 @@
 mod gemm;
 pub mod kernels;
 mod prefill;
+pub mod timing;
 pub mod weights;
 
 use std::ffi::c_void;
@@ -278,6 +279,7 @@ struct Kernels {
     add_expert_rows: CudaFunction,
     moe_route: CudaFunction,
     moe_group: CudaFunction,
+    mma_peak: CudaFunction,
 }
 
 /// Activations of one decode step, shared by all sequences (steps run one after another).
@@ -389,6 +391,8 @@ pub struct CudaBackend {
     num_sms: u32,
     /// Chunk activations of the prefill path, allocated on first use.
     prefill: Mutex<Option<prefill::PrefillScratch>>,
+    /// Per-part prefill timing, when `time_prefill_parts` runs.
+    timer: Mutex<timing::PartTimer>,
 }
 
 /// Options of the CUDA backend.
@@ -471,6 +475,7 @@ impl CudaBackend {
             add_expert_rows: get("add_expert_rows")?,
             moe_route: get("moe_route")?,
             moe_group: get("moe_group")?,
+            mma_peak: get("mma_peak")?,
         };
         // Kernels that stage inputs in dynamic shared memory may use more than the default 48 KB.
         for f in [
@@ -583,6 +588,7 @@ impl CudaBackend {
             use_graphs: opts.use_graphs,
             num_sms,
             prefill: Mutex::new(None),
+            timer: Mutex::new(timing::PartTimer::default()),
         })
     }
 
@@ -681,6 +687,32 @@ impl CudaBackend {
         // SAFETY: as above.
         unsafe { cudarc::driver::sys::cuProfilerStop() }.result()?;
         result
+    }
+
+    /// Runs `work` (prefills) with the prefill path marking its parts, and returns the GPU time
+    /// of each part, in milliseconds.
+    pub fn time_prefill_parts(
+        &self,
+        work: impl FnOnce() -> Result<()>,
+    ) -> Result<Vec<(timing::PrefillPart, f64)>> {
+        self.timer_lock()?.start(&self.stream)?;
+        let result = work();
+        let mut timer = self.timer_lock()?;
+        let totals = timer.totals_ms();
+        *timer = timing::PartTimer::default();
+        result?;
+        totals
+    }
+
+    /// Closes prefill part `part` when `time_prefill_parts` is running.
+    fn mark(&self, part: timing::PrefillPart) -> Result<()> {
+        self.timer_lock()?.mark(&self.stream, part)
+    }
+
+    fn timer_lock(&self) -> Result<std::sync::MutexGuard<'_, timing::PartTimer>> {
+        self.timer
+            .lock()
+            .map_err(|_| anyhow::anyhow!("prefill timer lock poisoned"))
     }
 
     /// Waits for all queued work.
@@ -1453,6 +1485,7 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "gemm_q4_grouped",
             "swiglu_to_half",
             "add_expert_rows",
+            "mma_peak",
         ],
         _ => &[],
     }

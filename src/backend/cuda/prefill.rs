@@ -10,6 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::gemm::GEMM_ROWS;
+use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
     AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
@@ -176,6 +177,7 @@ impl CudaBackend {
                 &mut [arg(&embed), arg(&token_ids), arg(&x)],
             )
         }?;
+        self.mark(PrefillPart::Projections)?;
 
         let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
         let gdn_dims = DeltaNetDims::new(c, gdn.splits);
@@ -192,6 +194,7 @@ impl CudaBackend {
                     norm,
                 } => {
                     self.project(ps, in_proj, x, Some(p(&layer.input_norm)), proj, false, n)?;
+                    self.mark(PrefillPart::Projections)?;
                     let conv = p(&slot.conv[gdn_i]);
                     let params = DeltaNetParams {
                         dims: &gdn_dims,
@@ -228,7 +231,9 @@ impl CudaBackend {
                             )
                         }?;
                     }
+                    self.mark(PrefillPart::DeltaNet)?;
                     self.project(ps, out_proj, core, None, x, true, n)?;
+                    self.mark(PrefillPart::Projections)?;
                     gdn_i += 1;
                 }
                 DeviceMixer::Attention {
@@ -238,6 +243,7 @@ impl CudaBackend {
                     k_norm,
                 } => {
                     self.project(ps, qkv, x, Some(p(&layer.input_norm)), proj, false, n)?;
+                    self.mark(PrefillPart::Projections)?;
                     let attn = AttentionBuffers {
                         proj,
                         q_norm: p(q_norm),
@@ -252,11 +258,14 @@ impl CudaBackend {
                         out: core,
                     };
                     self.attention(&attn_dims, &attn, n)?;
+                    self.mark(PrefillPart::Attention)?;
                     self.project(ps, o_proj, core, None, x, true, n)?;
+                    self.mark(PrefillPart::Projections)?;
                     attn_i += 1;
                 }
             }
             self.moe_chunk(ps, layer, x, n)?;
+            self.mark(PrefillPart::Moe)?;
         }
         let by = n32;
         // SAFETY: one thread advances the slot's position.
@@ -270,6 +279,7 @@ impl CudaBackend {
         }?;
         state.position += n;
         state.device_token = None;
+        self.mark(PrefillPart::Projections)?;
 
         let final_norm = Some(p(&m.final_norm));
         match which {
@@ -284,12 +294,14 @@ impl CudaBackend {
                     let part = s.clone_dtoh(&rows)?;
                     all.extend_from_slice(&part[..count * c.vocab_size]);
                 }
+                self.mark(PrefillPart::LmHead)?;
                 Ok(all)
             }
             LogitsFor::Last => {
                 let last = x + ((n - 1) * c.hidden_size * 4) as u64;
                 let out = p(&self.scratch.logits);
                 self.project(ps, &m.lm_head, last, final_norm, out, false, 1)?;
+                self.mark(PrefillPart::LmHead)?;
                 Ok(s.clone_dtoh(&self.scratch.logits)?)
             }
         }
