@@ -7,9 +7,11 @@ use super::weights::{DeviceWeight, ptr};
 use super::{CudaBackend, arg, cfg};
 use crate::model::{Matrix, Storage};
 
-/// Weight rows and tokens one `gemm_q4` block covers (GEMM_ROWS, GEMM_TOKENS in gemm.cu).
+/// Weight rows and tokens one `gemm_q4` block covers, and its threads (GEMM_ROWS, GEMM_TOKENS,
+/// GEMM_THREADS in gemm.cu).
 pub(super) const GEMM_ROWS: usize = 128;
 const GEMM_TOKENS: usize = 64;
+pub(super) const GEMM_THREADS: u32 = 128;
 
 impl CudaBackend {
     /// `x` ([tokens, w.cols], row-major) times the transpose of the 4-bit matrix `w` on the GPU:
@@ -95,7 +97,7 @@ impl CudaBackend {
                 cfg(
                     n.div_ceil(GEMM_TOKENS) as u32,
                     w.rows.div_ceil(GEMM_ROWS) as u32,
-                    256,
+                    GEMM_THREADS,
                     0,
                 ),
                 &mut [

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::gemm::GEMM_ROWS;
+use super::gemm::{GEMM_ROWS, GEMM_THREADS};
 use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
@@ -435,7 +435,7 @@ impl CudaBackend {
                 self.launch(
                     "gemm_q4_grouped",
                     &self.k.gemm_q4_grouped,
-                    cfg(tiles_max, rows.div_ceil(GEMM_ROWS) as u32, 256, 0),
+                    cfg(tiles_max, rows.div_ceil(GEMM_ROWS) as u32, GEMM_THREADS, 0),
                     &mut [
                         arg(&desc),
                         arg(&rows32),

@@ -11,9 +11,13 @@
 // fp16 holds x after division by a per-token power of two (|x / s| < 2^15); the products
 // accumulate in f32 and the epilogue multiplies s back.
 
-#define GEMM_ROWS 128  // weight rows per block: 4 warps of 32
-#define GEMM_TOKENS 64 // tokens per block: 2 warps of 32
-#define GEMM_K 32      // inputs per step: one 16-byte chunk of a 4-bit row
+#define GEMM_ROWS 128    // weight rows per block: 4 warps of 32
+#define GEMM_TOKENS 64   // tokens per block: every warp takes all 64
+#define GEMM_THREADS 128 // 4 warps
+#define GEMM_K 64        // inputs per pipeline stage: two 16-byte chunks of a 4-bit row
+#define GEMM_STAGES 3    // stages in shared memory: two loads in flight while one is multiplied
+#define GEMM_X_STRIDE 36 // 32-bit words per token row in shared memory (32 + 4: ldmatrix rows
+                         // of consecutive tokens fall in different banks)
 
 __device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                               uint32_t b0, uint32_t b1) {
@@ -78,86 +82,191 @@ struct TokenTile {
     __device__ __forceinline__ int in_row(int i) const { return assignment(i) / in_div; }
 };
 
+__device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool valid) {
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+}
+
+// Four 8x8 fp16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8
+// and receives, from each matrix, the pair at (row l / 4, columns 2 (l % 4), + 1).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// One pipeline stage: the block's 128 weight rows and 64 token rows over GEMM_K inputs.
+struct GemmStage {
+    uint4 w[GEMM_ROWS][2];                         // two 16-byte chunks (32 inputs each) per row
+    uint32_t x[GEMM_TOKENS][GEMM_X_STRIDE];        // 64 fp16 inputs (32 words) per token, padded
+};
+
 // y[out_row(i), r] (+)= sum_k x16[in_row(i), k] w[row_base + r, k] * xscale[in_row(i)] for the
 // block's 128 rows r from row_block * 128 (below `rows`) and the tile's tokens; y rows are `rows`
 // floats wide. The grids put the token tiles along x, so the blocks that share a row block run
 // together and read its weights from DRAM once.
+//
+// Weights and inputs stream through GEMM_STAGES shared-memory stages with cp.async (out-of-range
+// rows clamped, inputs past K zero-filled); warp w multiplies rows 32w .. 32w + 31 by all 64
+// tokens: per 16 inputs, 8 dequantised A registers and 4 ldmatrix loads feed 16 products. The
+// scales and biases of the next stage are loaded into registers while this one is multiplied.
 __device__ __forceinline__ void gemm_q4_tile(const Weight& w, int row_base, int rows, int row_block,
                                              const TokenTile& tile, const __half* x16, const float* xscale, float* y,
                                              int accumulate) {
+    __shared__ __align__(16) GemmStage stages[GEMM_STAGES];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
-    const int row0 = row_block * GEMM_ROWS + (warp & 3) * 32;
-    const int tok0 = (warp >> 2) * 32;
-    if (row0 >= rows || tok0 >= tile.count) return;
-    const int K = w.cols, chunks = K / GEMM_K, groups = K >> w.group_shift;
-    // This lane's weight rows: g, g + 8 of each of the warp's two 16-row tiles.
-    const uint4* wrow[2][2];
+    const int K = w.cols, chunks = K / 32, groups = K >> w.group_shift;
+    const int steps = (K + GEMM_K - 1) / GEMM_K;
+    const uint4* wdata = reinterpret_cast<const uint4*>(w.data);
+
+    // Copies of this thread: 2 weight chunks and 4 input chunks per stage.
+    const uint4* wsrc[2];
+    int wdst_row[2], wdst_half[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int q = threadIdx.x + i * GEMM_THREADS;
+        wdst_row[i] = q >> 1;
+        wdst_half[i] = q & 1;
+        const size_t r = row_base + min(row_block * GEMM_ROWS + wdst_row[i], rows - 1);
+        wsrc[i] = wdata + r * chunks + wdst_half[i];
+    }
+    const __half* xsrc[4];
+    int xdst_tok[4], xdst_part[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int q = threadIdx.x + i * GEMM_THREADS;
+        xdst_tok[i] = q >> 3;
+        xdst_part[i] = q & 7;
+        const int t = min(xdst_tok[i], tile.count - 1);
+        xsrc[i] = x16 + (size_t)tile.in_row(t) * K + 8 * xdst_part[i];
+    }
+    auto issue = [&](int stage, int step) {
+        GemmStage& st = stages[stage];
+        const int k0 = step * GEMM_K;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const bool valid = k0 + 32 * wdst_half[i] < K;
+            cp_async_16(&st.w[wdst_row[i]][wdst_half[i]], valid ? wsrc[i] + 2 * step : wdata, valid);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const bool valid = k0 + 8 * xdst_part[i] < K;
+            cp_async_16(&st.x[xdst_tok[i]][4 * xdst_part[i]], valid ? xsrc[i] + k0 : x16, valid);
+        }
+    };
+
+    // This lane's weight rows: g, g + 8 of each of the warp's two 16-row tiles; their scale and
+    // bias for each 32-input half of a stage.
     const bf16* srow[2][2];
     const bf16* brow[2][2];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const size_t r = row_base + min(row0 + 16 * m + 8 * h + g, rows - 1);
-            wrow[m][h] = reinterpret_cast<const uint4*>(w.data) + r * chunks;
+            const size_t r = row_base + min(row_block * GEMM_ROWS + warp * 32 + 16 * m + 8 * h + g, rows - 1);
             srow[m][h] = w.scales + r * groups;
             brow[m][h] = w.biases + r * groups;
         }
-    // This lane's tokens: g of each of the warp's four 8-token tiles.
-    const uint32_t* xrow[4];
+    bf16 next_scale[2][2][2], next_bias[2][2][2];
+    auto load_scales = [&](int step) {
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-        const int i = min(tok0 + 8 * n + g, tile.count - 1);
-        xrow[n] = reinterpret_cast<const uint32_t*>(x16 + (size_t)tile.in_row(i) * K);
+        for (int hh = 0; hh < 2; ++hh) {
+            const int grp = min((step * GEMM_K + 32 * hh) >> w.group_shift, groups - 1);
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    next_scale[m][h][hh] = srow[m][h][grp];
+                    next_bias[m][h][hh] = brow[m][h][grp];
+                }
+        }
+    };
+
+    // n-tiles (8 tokens) of the tile that hold tokens: the rest are skipped.
+    const int live_tiles = (tile.count + 7) >> 3;
+    float acc[2][8][4] = {};
+
+#pragma unroll
+    for (int s = 0; s < GEMM_STAGES - 1; ++s) {
+        if (s < steps) issue(s, s);
+        cp_async_commit();
     }
-    float acc[2][4][4] = {};
-    for (int kc = 0; kc < chunks; ++kc) {
-        uint4 wv[2][2];
-        __half2 scale[2][2], bias[2][2];
-        const int grp = (kc * GEMM_K) >> w.group_shift;
+    load_scales(0);
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<GEMM_STAGES - 2>();
+        __syncthreads();
+        const int ahead = step + GEMM_STAGES - 1;
+        if (ahead < steps) issue(ahead % GEMM_STAGES, ahead);
+        cp_async_commit();
+        __half2 scale[2][2][2], bias[2][2][2];
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                wv[m][h] = load_weights(wrow[m][h] + kc);
-                scale[m][h] = __float2half2_rn(__bfloat162float(srow[m][h][grp]));
-                bias[m][h] = __float2half2_rn(__bfloat162float(brow[m][h][grp]));
-            }
-        // x pairs: word (kc * 32 + 16 j + 2 c) / 2 for slots 2c, 2c+1; + 4 words for 2c+8, 2c+9.
-        uint32_t xb[4][2][2];
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+                for (int hh = 0; hh < 2; ++hh) {
+                    scale[m][h][hh] = __float2half2_rn(__bfloat162float(next_scale[m][h][hh]));
+                    bias[m][h][hh] = __float2half2_rn(__bfloat162float(next_bias[m][h][hh]));
+                }
+        if (step + 1 < steps) load_scales(step + 1);
+
+        const GemmStage& st = stages[step % GEMM_STAGES];
+        uint4 wv[2][2][2];
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int word = (kc * GEMM_K + 16 * j + 2 * c) / 2;
-                xb[n][j][0] = xrow[n][word];
-                xb[n][j][1] = xrow[n][word + 4];
-            }
+        for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) wv[m][h][hh] = st.w[warp * 32 + 16 * m + 8 * h + g][hh];
+        // Step j covers inputs 16j .. 16j + 15 of the stage: words 2 (j % 2) and 2 (j % 2) + 1
+        // of chunk j / 2.
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int hh = j >> 1, wd = 2 * (j & 1);
+            uint32_t a[2][4];
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
-                const uint32_t* lo = reinterpret_cast<const uint32_t*>(&wv[m][0]);
-                const uint32_t* hi = reinterpret_cast<const uint32_t*>(&wv[m][1]);
-                // Step j covers words 2j (slots 0-7) and 2j + 1 (slots 8-15) of the chunk.
-                const uint32_t a0 = dequant_pair(lo[2 * j], c, scale[m][0], bias[m][0]);
-                const uint32_t a1 = dequant_pair(hi[2 * j], c, scale[m][1], bias[m][1]);
-                const uint32_t a2 = dequant_pair(lo[2 * j + 1], c, scale[m][0], bias[m][0]);
-                const uint32_t a3 = dequant_pair(hi[2 * j + 1], c, scale[m][1], bias[m][1]);
-#pragma unroll
-                for (int n = 0; n < 4; ++n) mma_f16_16816(acc[m][n], a0, a1, a2, a3, xb[n][j][0], xb[n][j][1]);
+                const uint32_t* lo = reinterpret_cast<const uint32_t*>(&wv[m][0][hh]);
+                const uint32_t* hi = reinterpret_cast<const uint32_t*>(&wv[m][1][hh]);
+                a[m][0] = dequant_pair(lo[wd], c, scale[m][0][hh], bias[m][0][hh]);
+                a[m][1] = dequant_pair(hi[wd], c, scale[m][1][hh], bias[m][1][hh]);
+                a[m][2] = dequant_pair(lo[wd + 1], c, scale[m][0][hh], bias[m][0][hh]);
+                a[m][3] = dequant_pair(hi[wd + 1], c, scale[m][1][hh], bias[m][1][hh]);
             }
+            // ldmatrix: matrices (tile n, words 8j..8j+3), (tile n, 8j+4..), (n + 1, 8j..), (n + 1, 8j+4..).
+            const int mat = lane >> 3, r = lane & 7;
+#pragma unroll
+            for (int n = 0; n < 8; n += 2) {
+                if (n >= live_tiles) break;
+                uint32_t b[4];
+                ldmatrix_x4(b, &st.x[8 * (n + (mat >> 1)) + r][8 * j + 4 * (mat & 1)]);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_f16_16816(acc[m][n], a[m][0], a[m][1], a[m][2], a[m][3], b[0], b[1]);
+                    mma_f16_16816(acc[m][n + 1], a[m][0], a[m][1], a[m][2], a[m][3], b[2], b[3]);
+                }
+            }
+        }
     }
+    cp_async_wait<0>();
+
     // D fragment: d0, d1 = (row g, tokens 2c, 2c + 1); d2, d3 = (row g + 8, same tokens).
+    const int row0 = row_block * GEMM_ROWS + warp * 32;
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = row0 + 16 * m + g + (e >= 2 ? 8 : 0);
-                const int i = tok0 + 8 * n + 2 * c + (e & 1);
+                const int i = 8 * n + 2 * c + (e & 1);
                 if (r >= rows || i >= tile.count) continue;
                 const float v = acc[m][n][e] * xscale[tile.in_row(i)];
                 float* out = y + (size_t)tile.assignment(i) * rows + r;
@@ -167,8 +276,8 @@ __device__ __forceinline__ void gemm_q4_tile(const Weight& w, int row_base, int 
 
 // y[t, n] = sum_k x[t, k] w[n, k] (added to y when `accumulate`), y row-major [tokens, w.rows];
 // x16 and xscale from rows_to_half. w: 4-bit, group size >= 32. Grid: (ceil(tokens / 64),
-// ceil(rows / 128)), 256 threads.
-extern "C" __global__ void __launch_bounds__(256) gemm_q4(Weight w, const __half* x16, const float* xscale, int tokens,
+// ceil(rows / 128)), GEMM_THREADS threads.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q4(Weight w, const __half* x16, const float* xscale, int tokens,
                                                          float* y, int accumulate) {
     wait_for_previous_kernel();
     const int start = blockIdx.x * GEMM_TOKENS;
@@ -180,8 +289,9 @@ extern "C" __global__ void __launch_bounds__(256) gemm_q4(Weight w, const __half
 // [experts * rows_per_expert, cols]; tile blockIdx.y of `tiles` (expert, start, count in
 // `order`, at most 64 tokens; tiles beyond tile_count[0] exit) multiplies that expert's rows by
 // its assignments' x rows (assignment / in_div) into y rows per assignment
-// ([assignments, rows_per_expert]). Grid: (most tiles, ceil(rows_per_expert / 128)), 256 threads.
-extern "C" __global__ void __launch_bounds__(256) gemm_q4_grouped(Weight w, int rows_per_expert, const int* tiles,
+// ([assignments, rows_per_expert]). Grid: (most tiles, ceil(rows_per_expert / 128)), GEMM_THREADS
+// threads.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q4_grouped(Weight w, int rows_per_expert, const int* tiles,
                                                                  const int* tile_count, const int* order, int in_div,
                                                                  const __half* x16, const float* xscale, float* y) {
     wait_for_previous_kernel();
