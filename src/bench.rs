@@ -84,10 +84,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     drop(state);
 
-    // A second prefill, with the parts timed on the GPU (events cost a little, so not the first).
+    // A second prefill, with the parts timed on the GPU (events cost a little, so not the first),
+    // inside a profiler range (`ncu --profile-from-start off` records only this prefill and the
+    // --profile-steps decode steps).
     let mut state = backend.new_state()?;
-    let split = backend.time_prefill_parts(|| {
-        backend.prefill(&mut state, &prompt, LogitsFor::Last)?;
+    let mut split = Vec::new();
+    backend.profile(|| {
+        split = backend.time_prefill_parts(|| {
+            backend.prefill(&mut state, &prompt, LogitsFor::Last)?;
+            Ok(())
+        })?;
         Ok(())
     })?;
     drop(state);

@@ -84,7 +84,7 @@ enum Command {
         #[arg(long)]
         no_graphs: bool,
         /// Decode steps to run, after the timed ones, inside a profiler range (for
-        /// `ncu --profile-from-start off`).
+        /// `ncu --profile-from-start off`; the prefill timed by part runs in one too).
         #[arg(long, default_value_t = 0)]
         profile_steps: usize,
     },

@@ -427,32 +427,49 @@ impl CudaBackend {
         let (act16, actscale) = (ptr(&ps.act16, s), p(&ps.actscale));
         let top_k = c.num_experts_per_tok as i32;
         let tiles_max = max_group_tiles(c) as u32;
-        let grouped = |w: &DeviceWeight, rows: usize, x16: u64, xs: u64, in_div: i32, y: u64| {
-            let desc = w.desc(s);
+        // One launch for one or two stacked expert matrices with the same rows and inputs (gate
+        // and up: grid.z picks the matrix).
+        let grouped = |w: [&DeviceWeight; 2],
+                       z: u32,
+                       rows: usize,
+                       x: (u64, u64),
+                       in_div: i32,
+                       y: [u64; 2]| {
+            let (desc, desc2) = (w[0].desc(s), w[1].desc(s));
             let rows32 = rows as i32;
+            let mut launch = cfg(tiles_max, rows.div_ceil(GEMM_ROWS) as u32, GEMM_THREADS, 0);
+            launch.grid_dim.2 = z;
             // SAFETY: tiles and order come from moe_group; y holds a row per assignment.
             unsafe {
                 self.launch(
                     "gemm_q4_grouped",
                     &self.k.gemm_q4_grouped,
-                    cfg(tiles_max, rows.div_ceil(GEMM_ROWS) as u32, GEMM_THREADS, 0),
+                    launch,
                     &mut [
                         arg(&desc),
+                        arg(&desc2),
                         arg(&rows32),
                         arg(&tiles),
                         arg(&tile_count),
                         arg(&order),
                         arg(&in_div),
-                        arg(&x16),
-                        arg(&xs),
-                        arg(&y),
+                        arg(&x.0),
+                        arg(&x.1),
+                        arg(&y[0]),
+                        arg(&y[1]),
                     ],
                 )
             }
         };
         let inter = c.moe_intermediate_size;
-        grouped(&layer.gate, inter, x16, xs, top_k, gate_rows)?;
-        grouped(&layer.up, inter, x16, xs, top_k, up_rows)?;
+        grouped(
+            [&layer.gate, &layer.up],
+            2,
+            inter,
+            (x16, xs),
+            top_k,
+            [gate_rows, up_rows],
+        )?;
         self.swiglu(
             gate_rows,
             up_rows,
@@ -463,7 +480,14 @@ impl CudaBackend {
             act16,
             actscale,
         )?;
-        grouped(&layer.down, c.hidden_size, act16, actscale, 1, down_rows)?;
+        grouped(
+            [&layer.down, &layer.down],
+            1,
+            c.hidden_size,
+            (act16, actscale),
+            1,
+            [down_rows, down_rows],
+        )?;
         let hidden32 = c.hidden_size as i32;
         // SAFETY: down_rows holds n * top_k rows of hidden floats, x n rows.
         unsafe {

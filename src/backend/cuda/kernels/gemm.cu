@@ -286,19 +286,24 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q4(Weight w, con
 }
 
 // The MoE experts' products over their tokens: w stacks the experts' matrices
-// [experts * rows_per_expert, cols]; tile blockIdx.y of `tiles` (expert, start, count in
+// [experts * rows_per_expert, cols]; tile blockIdx.x of `tiles` (expert, start, count in
 // `order`, at most 64 tokens; tiles beyond tile_count[0] exit) multiplies that expert's rows by
 // its assignments' x rows (assignment / in_div) into y rows per assignment
-// ([assignments, rows_per_expert]). Grid: (most tiles, ceil(rows_per_expert / 128)), GEMM_THREADS
-// threads.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q4_grouped(Weight w, int rows_per_expert, const int* tiles,
-                                                                 const int* tile_count, const int* order, int in_div,
-                                                                 const __half* x16, const float* xscale, float* y) {
+// ([assignments, rows_per_expert]). Blocks with blockIdx.z == 1 do the same with w2 into y2
+// (the up projection beside the gate one, from the same inputs). Grid: (most tiles,
+// ceil(rows_per_expert / 128), 1 or 2), GEMM_THREADS threads.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q4_grouped(Weight w, Weight w2, int rows_per_expert,
+                                                                          const int* tiles, const int* tile_count,
+                                                                          const int* order, int in_div,
+                                                                          const __half* x16, const float* xscale,
+                                                                          float* y, float* y2) {
     wait_for_previous_kernel();
     if ((int)blockIdx.x >= tile_count[0]) return;
     const int* t = tiles + 3 * blockIdx.x;
     const TokenTile tile = {t[1], t[2], order, in_div};
-    gemm_q4_tile(w, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, tile, x16, xscale, y, 0);
+    const bool second = blockIdx.z == 1;
+    gemm_q4_tile(second ? w2 : w, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, tile, x16, xscale,
+                 second ? y2 : y, 0);
 }
 
 // act16[a] = (silu(gate[a]) * up[a] * weight) in fp16, scaled and permuted as rows_to_half does,
