@@ -247,16 +247,17 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
     );
 }
 
-/// The prefill path's tensor-core product (4-bit weights dequantised in registers, inputs in
-/// fp16) against an f64 product of the same dequantised weights: every 4-bit matrix of the
-/// fixture, at three group sizes, times a token count that leaves the last block partly empty.
+/// The prefill path's tensor-core product (4- and 8-bit weights dequantised in registers, inputs
+/// in fp16) against an f64 product of the same dequantised weights: every quantised matrix of the
+/// fixture (the routers stay 8-bit in a 4-bit conversion), at three group sizes and both widths,
+/// times a token count that leaves the last block partly empty.
 #[test]
 fn tensor_core_matmul_matches_the_dequantised_product() {
-    for group_size in [32, 64, 128] {
+    for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 64)] {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("q");
         let options = ConvertOptions {
-            spec: QuantSpec::new(4, group_size).unwrap(),
+            spec: QuantSpec::new(bits, group_size).unwrap(),
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             progress: false,
         };
@@ -267,7 +268,8 @@ fn tensor_core_matmul_matches_the_dequantised_product() {
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
         let mut checked = 0;
         for w in model.matrices() {
-            if !matches!(&w.storage, Storage::Quantized(q) if q.spec.bits == 4) {
+            if !matches!(&w.storage, Storage::Quantized(q) if q.spec.bits == 4 || q.spec.bits == 8)
+            {
                 continue;
             }
             let x: Vec<f32> = (0..tokens * w.cols)
@@ -291,38 +293,41 @@ fn tensor_core_matmul_matches_the_dequantised_product() {
                     })
                 })
                 .collect();
-            let got = gpu.matmul_q4(w, &x, tokens).unwrap();
+            let got = gpu.matmul_q(w, &x, tokens).unwrap();
             let err = relative_error(&got, &want);
             // fp16 inputs and weights round at 2^-11; the GPU also keeps scales and biases in bf16.
             assert!(
                 err < 5e-3,
-                "group {group_size}, {}x{}: relative error {err:.2e}",
+                "{bits}-bit group {group_size}, {}x{}: relative error {err:.2e}",
                 w.rows,
                 w.cols
             );
             checked += 1;
         }
-        println!("group size {group_size}: {checked} matrices within 5e-3");
-        assert!(checked > 0, "the fixture has 4-bit matrices");
+        println!("{bits}-bit, group size {group_size}: {checked} matrices within 5e-3");
+        assert!(checked > 0, "the fixture has quantised matrices");
     }
 }
 
 /// A prompt longer than a prefill chunk (2,500 tokens: three chunks of up to 1,024, the last
-/// partial) against the CPU: the
-/// last position's logits, then greedy decode steps continuing from the state prefill left
-/// (DeltaNet state and conv history, KV cache, position), in bf16 and in 4-bit (whose experts
-/// take the grouped tensor-core path).
+/// partial) against the CPU: the last position's logits, then greedy decode steps continuing
+/// from the state prefill left (DeltaNet state and conv history, KV cache, position), in bf16
+/// and in 4- and 8-bit (whose projections and experts take the tensor-core products).
 #[test]
 fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
     let tmp = tempfile::tempdir().unwrap();
-    let quantized = tmp.path().join("q4");
-    let options = ConvertOptions {
-        spec: QuantSpec::new(4, 64).unwrap(),
-        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-        progress: false,
-    };
-    convert(&fixtures()[0], &quantized, &options).unwrap();
-    for dir in [fixtures()[0].clone(), quantized] {
+    let mut dirs = vec![fixtures()[0].clone()];
+    for bits in [4, 8] {
+        let quantized = tmp.path().join(format!("q{bits}"));
+        let options = ConvertOptions {
+            spec: QuantSpec::new(bits, 64).unwrap(),
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            progress: false,
+        };
+        convert(&fixtures()[0], &quantized, &options).unwrap();
+        dirs.push(quantized);
+    }
+    for dir in dirs {
         let model = Arc::new(Model::load(&dir).unwrap());
         let vocab = model.config.vocab_size as u64;
         let mut seed = 0x2545_F491_4F6C_DD1Du64;

@@ -7,23 +7,41 @@ use super::weights::{DeviceWeight, ptr};
 use super::{CudaBackend, arg, cfg};
 use crate::model::{Matrix, Storage};
 
-/// Weight rows and tokens one `gemm_q4` block covers, and its threads (GEMM_ROWS, GEMM_TOKENS,
-/// GEMM_THREADS in gemm.cu).
+/// Weight rows and tokens one `gemm_q` block covers, its threads, its pipeline stages and the
+/// padded width of a token's row of inputs in shared memory, in 32-bit words (GEMM_ROWS,
+/// GEMM_TOKENS, GEMM_THREADS, GEMM_STAGES, GEMM_X_STRIDE in gemm.cu).
 pub(super) const GEMM_ROWS: usize = 128;
 const GEMM_TOKENS: usize = 64;
 pub(super) const GEMM_THREADS: u32 = 128;
+const GEMM_STAGES: usize = 4;
+const GEMM_X_STRIDE: usize = 36;
+/// Inputs per pipeline stage (GEMM_K).
+const GEMM_K: usize = 64;
+
+/// Dynamic shared memory of `gemm_q` and `gemm_q_grouped` for `bits`-bit weights: the stages'
+/// weight rows and token rows.
+pub(super) fn gemm_smem_bytes(bits: usize) -> u32 {
+    let weights = GEMM_ROWS * GEMM_K * bits / 8;
+    let inputs = GEMM_TOKENS * GEMM_X_STRIDE * 4;
+    (GEMM_STAGES * (weights + inputs)) as u32
+}
+
+/// Whether the tensor-core products take `w`: MLX 4- or 8-bit with groups of at least 32 inputs.
+pub(super) fn on_tensor_cores(w: &DeviceWeight) -> bool {
+    (w.bits == 4 || w.bits == 8) && w.group >= 32
+}
 
 impl CudaBackend {
-    /// `x` ([tokens, w.cols], row-major) times the transpose of the 4-bit matrix `w` on the GPU:
-    /// [tokens, w.rows], row-major. Uploads both, so it serves checks and measurements; prefill
-    /// runs the same kernels on device buffers.
-    pub fn matmul_q4(&self, w: &Matrix, x: &[f32], tokens: usize) -> Result<Vec<f32>> {
+    /// `x` ([tokens, w.cols], row-major) times the transpose of the 4- or 8-bit matrix `w` on the
+    /// GPU: [tokens, w.rows], row-major. Uploads both, so it serves checks and measurements;
+    /// prefill runs the same kernels on device buffers.
+    pub fn matmul_q(&self, w: &Matrix, x: &[f32], tokens: usize) -> Result<Vec<f32>> {
         let Storage::Quantized(q) = &w.storage else {
-            anyhow::bail!("matmul_q4 takes a 4-bit matrix, not a dense one");
+            anyhow::bail!("matmul_q takes a quantised matrix, not a dense one");
         };
         ensure!(
-            q.spec.bits == 4 && q.spec.group_size >= 32,
-            "matmul_q4 takes 4-bit weights with groups of at least 32 (got {} bits, group {})",
+            (q.spec.bits == 4 || q.spec.bits == 8) && q.spec.group_size >= 32,
+            "matmul_q takes 4- or 8-bit weights with groups of at least 32 (got {} bits, group {})",
             q.spec.bits,
             q.spec.group_size
         );
@@ -40,24 +58,27 @@ impl CudaBackend {
         let xscale = s.alloc_zeros::<f32>(tokens)?;
         let y = s.alloc_zeros::<f32>(tokens * w.rows)?;
         let (x16p, sp) = (ptr(&x16, s), ptr(&xscale, s));
-        self.rows_to_half(ptr(&x_dev, s), w.cols, None, tokens, x16p, sp)?;
+        self.rows_to_half(ptr(&x_dev, s), w.cols, None, weight.bits, tokens, x16p, sp)?;
         self.gemm_rows(&weight, x16p, sp, tokens, ptr(&y, s), false)?;
         Ok(s.clone_dtoh(&y)?)
     }
 
     /// x16, xscale = the `n` rows of `cols` floats at `x` (RMS-normalised and scaled by `norm`
     /// when given) in fp16, each divided by its power-of-two scale, in the permuted order the
-    /// tensor-core products read (rows_to_half).
+    /// tensor-core products of `bits`-bit weights read (rows_to_half).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn rows_to_half(
         &self,
         x: u64,
         cols: usize,
         norm: Option<u64>,
+        bits: usize,
         n: usize,
         x16: u64,
         xscale: u64,
     ) -> Result<()> {
         let (cols, norm, eps) = (cols as i32, norm.unwrap_or(0), self.config.rms_norm_eps);
+        let bits = bits as i32;
         // SAFETY: x holds n rows of cols floats, x16 n rows of cols halves, xscale n floats.
         unsafe {
             self.launch(
@@ -69,6 +90,7 @@ impl CudaBackend {
                     arg(&cols),
                     arg(&norm),
                     arg(&eps),
+                    arg(&bits),
                     arg(&x16),
                     arg(&xscale),
                 ],
@@ -76,7 +98,7 @@ impl CudaBackend {
         }
     }
 
-    /// y (+)= x16 · wᵀ for `n` rows already in fp16 (gemm_q4).
+    /// y (+)= x16 · wᵀ for `n` rows already in fp16 (gemm_q).
     pub(super) fn gemm_rows(
         &self,
         w: &DeviceWeight,
@@ -92,13 +114,13 @@ impl CudaBackend {
         // SAFETY: x16 holds n rows of w.cols, y n rows of w.rows; the kernel clamps its reads.
         unsafe {
             self.launch(
-                "gemm_q4",
-                &self.k.gemm_q4,
+                "gemm_q",
+                &self.k.gemm_q,
                 cfg(
                     n.div_ceil(GEMM_TOKENS) as u32,
                     w.rows.div_ceil(GEMM_ROWS) as u32,
                     GEMM_THREADS,
-                    0,
+                    gemm_smem_bytes(w.bits),
                 ),
                 &mut [
                     arg(&desc),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::gemm::{GEMM_ROWS, GEMM_THREADS};
+use super::gemm::{GEMM_ROWS, GEMM_THREADS, gemm_smem_bytes, on_tensor_cores};
 use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
@@ -321,9 +321,9 @@ impl CudaBackend {
         n: usize,
     ) -> Result<()> {
         let s = &self.stream;
-        if w.bits == 4 && w.group >= 32 {
+        if on_tensor_cores(w) {
             let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
-            self.rows_to_half(x, w.cols, norm, n, x16, xs)?;
+            self.rows_to_half(x, w.cols, norm, w.bits, n, x16, xs)?;
             self.gemm_rows(w, x16, xs, n, y, accumulate)?;
         } else {
             let (desc, norm) = (w.desc(s), norm.unwrap_or(0));
@@ -358,10 +358,16 @@ impl CudaBackend {
         x: u64,
         n: usize,
     ) -> Result<()> {
-        let on_tensor_cores = |w: &DeviceWeight| w.bits == 4 && w.group >= 32;
         let experts = [&layer.gate, &layer.up, &layer.down];
         let shared = [&layer.shared_gate, &layer.shared_up, &layer.shared_down];
-        if experts.iter().chain(&shared).all(|w| on_tensor_cores(w)) {
+        // One fp16 copy of the normed input serves the gate and up products of all experts, so
+        // they must share a width (its permutation).
+        let bits = layer.gate.bits;
+        if experts
+            .iter()
+            .chain(&shared)
+            .all(|w| on_tensor_cores(w) && w.bits == bits)
+        {
             self.moe_chunk_grouped(ps, layer, x, n)
         } else {
             let s = &self.stream;
@@ -422,7 +428,7 @@ impl CudaBackend {
         }?;
         // The normed input of every expert, shared included, in fp16.
         let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
-        self.rows_to_half(x, c.hidden_size, Some(post), n, x16, xs)?;
+        self.rows_to_half(x, c.hidden_size, Some(post), layer.gate.bits, n, x16, xs)?;
         let (gate_rows, up_rows, down_rows) = (p(&ps.gate_rows), p(&ps.up_rows), p(&ps.down_rows));
         let (act16, actscale) = (ptr(&ps.act16, s), p(&ps.actscale));
         let top_k = c.num_experts_per_tok as i32;
@@ -437,13 +443,18 @@ impl CudaBackend {
                        y: [u64; 2]| {
             let (desc, desc2) = (w[0].desc(s), w[1].desc(s));
             let rows32 = rows as i32;
-            let mut launch = cfg(tiles_max, rows.div_ceil(GEMM_ROWS) as u32, GEMM_THREADS, 0);
+            let mut launch = cfg(
+                tiles_max,
+                rows.div_ceil(GEMM_ROWS) as u32,
+                GEMM_THREADS,
+                gemm_smem_bytes(w[0].bits),
+            );
             launch.grid_dim.2 = z;
             // SAFETY: tiles and order come from moe_group; y holds a row per assignment.
             unsafe {
                 self.launch(
-                    "gemm_q4_grouped",
-                    &self.k.gemm_q4_grouped,
+                    "gemm_q_grouped",
+                    &self.k.gemm_q_grouped,
                     launch,
                     &mut [
                         arg(&desc),
@@ -475,7 +486,7 @@ impl CudaBackend {
             up_rows,
             weights,
             (top_k, top_k + 1, 0),
-            inter,
+            (inter, layer.down.bits),
             n * c.num_experts_per_tok,
             act16,
             actscale,
@@ -508,7 +519,7 @@ impl CudaBackend {
             up_rows,
             weights,
             (1, top_k + 1, top_k),
-            shared_inter,
+            (shared_inter, layer.shared_down.bits),
             n,
             act16,
             actscale,
@@ -516,8 +527,9 @@ impl CudaBackend {
         self.gemm_rows(&layer.shared_down, act16, actscale, n, x, true)
     }
 
-    /// act16 = silu(gate) * up * weight per row, in fp16 with a per-row scale (swiglu_to_half;
-    /// `pick` = (per, stride, offset) finds each row's weight).
+    /// act16 = silu(gate) * up * weight per row, in fp16 with a per-row scale, permuted for the
+    /// `bits`-bit down projection (swiglu_to_half; `pick` = (per, stride, offset) finds each
+    /// row's weight).
     #[allow(clippy::too_many_arguments)]
     fn swiglu(
         &self,
@@ -525,13 +537,13 @@ impl CudaBackend {
         up: u64,
         weights: u64,
         pick: (i32, i32, i32),
-        width: usize,
+        (width, bits): (usize, usize),
         rows: usize,
         act16: u64,
         actscale: u64,
     ) -> Result<()> {
         let (per, stride, offset) = pick;
-        let width = width as i32;
+        let (width, bits) = (width as i32, bits as i32);
         // SAFETY: gate, up, act16 hold `rows` rows of `width`; weights covers every row's pick.
         unsafe {
             self.launch(
@@ -546,6 +558,7 @@ impl CudaBackend {
                     arg(&stride),
                     arg(&offset),
                     arg(&width),
+                    arg(&bits),
                     arg(&act16),
                     arg(&actscale),
                 ],

@@ -332,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const floa
 #define GROUP_TILE 64
 
 // Prefill: sorts the chunk's routed assignments (a = token * top_k + slot) by expert into
-// `order` and cuts each expert's run into tiles of at most GROUP_TILE for gemm_q4_grouped:
+// `order` and cuts each expert's run into tiles of at most GROUP_TILE for gemm_q_grouped:
 // tiles[3 i ..] = (expert, start in order, count), tile_count[0] = tiles made. One block.
 extern "C" __global__ void __launch_bounds__(1024) moe_group(MoeDims d, const int* ids, int tokens, int* order,
                                                             int* tiles, int* tile_count) {
