@@ -23,6 +23,8 @@ pub struct BenchArgs {
     pub use_graphs: bool,
     /// Decode steps to run inside a profiler range after the timed ones (see `CudaBackend::profile`).
     pub profile_steps: usize,
+    /// Prompt tokens per prefill chunk (`CudaOptions::prefill_chunk`).
+    pub prefill_chunk: usize,
 }
 
 /// Runs the benchmark and prints a report (human-readable lines, then one JSON line).
@@ -35,6 +37,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         max_context: args.prompt + args.generate + args.profile_steps + 1,
         max_sequences: 1,
         use_graphs: args.use_graphs,
+        prefill_chunk: args.prefill_chunk,
     };
     let start = Instant::now();
     let (backend, source) = match &args.model {

@@ -87,6 +87,10 @@ enum Command {
         /// `ncu --profile-from-start off`; the prefill timed by part runs in one too).
         #[arg(long, default_value_t = 0)]
         profile_steps: usize,
+        /// Prompt tokens per prefill chunk.
+        #[arg(long, default_value_t = lily::backend::cuda::DEFAULT_PREFILL_CHUNK as u32,
+              value_parser = clap::value_parser!(u32).range(1..))]
+        prefill_chunk: u32,
     },
     /// Serve an OpenAI-compatible API (without --model, the embedded demo model).
     Serve(ServeArgs),
@@ -283,6 +287,7 @@ macro_rules! cuda_backend {
             max_context: $device.context,
             max_sequences: 1,
             use_graphs: true,
+            prefill_chunk: lily::backend::cuda::DEFAULT_PREFILL_CHUNK,
         };
         let $backend = lily::backend::cuda::CudaBackend::new(&$model, opts)?;
         $body
@@ -373,6 +378,7 @@ fn run(cli: Cli) -> Result<()> {
             generate,
             no_graphs,
             profile_steps,
+            prefill_chunk,
         } => {
             use lily::backend::cuda::weights::WeightFormat;
             anyhow::ensure!(
@@ -391,6 +397,7 @@ fn run(cli: Cli) -> Result<()> {
                 generate,
                 use_graphs: !no_graphs,
                 profile_steps,
+                prefill_chunk: prefill_chunk as usize,
             })?;
         }
     }
@@ -504,6 +511,7 @@ fn serve_on_cuda(model: Arc<Model>, served: ServedModel, options: ServeOptions) 
         max_context: options.context.min(served.max_position_embeddings),
         max_sequences: options.max_batch,
         use_graphs: true,
+        prefill_chunk: options.prefill_chunk,
     };
     lily::server::run(
         served,

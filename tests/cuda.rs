@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use lily::backend::cpu::CpuBackend;
-use lily::backend::cuda::{CudaBackend, CudaOptions};
+use lily::backend::cuda::{CudaBackend, CudaOptions, DEFAULT_PREFILL_CHUNK};
 use lily::backend::{Backend, DeviceDraw, LogitsFor, argmax};
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
 use lily::model::{Model, Storage};
@@ -44,6 +44,7 @@ fn cuda(model: &Model, sequences: usize) -> CudaBackend {
         max_context: 256,
         max_sequences: sequences,
         use_graphs: true,
+        prefill_chunk: DEFAULT_PREFILL_CHUNK,
     };
     CudaBackend::new(model, opts).expect("CUDA backend starts")
 }
@@ -149,6 +150,7 @@ fn context_limit_is_an_error() {
             max_context: 4,
             max_sequences: 1,
             use_graphs: true,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         },
     )
     .unwrap();
@@ -347,6 +349,7 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
                 max_context: 4096,
                 max_sequences: 1,
                 use_graphs: true,
+                prefill_chunk: 1024,
             },
         )
         .unwrap();

@@ -391,6 +391,8 @@ pub struct CudaBackend {
     num_sms: u32,
     /// Chunk activations of the prefill path, allocated on first use.
     prefill: Mutex<Option<prefill::PrefillScratch>>,
+    /// Tokens per prefill chunk (`CudaOptions::prefill_chunk`).
+    prefill_chunk: usize,
     /// Per-part prefill timing, when `time_prefill_parts` runs.
     timer: Mutex<timing::PartTimer>,
 }
@@ -404,7 +406,14 @@ pub struct CudaOptions {
     pub max_sequences: usize,
     /// Replay each step as a CUDA graph (off: launch kernels one by one, for profilers).
     pub use_graphs: bool,
+    /// Prompt tokens run through the model at once by prefill: larger chunks read the expert
+    /// weights fewer times and give the grouped products more tokens per expert, but take more
+    /// scratch memory (about 0.3 GB per 1,024 tokens at full size).
+    pub prefill_chunk: usize,
 }
+
+/// `CudaOptions::prefill_chunk` unless told otherwise.
+pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
 
 impl CudaBackend {
     /// Uploads a loaded model to device 0.
@@ -513,6 +522,10 @@ impl CudaBackend {
             "the CUDA backend needs at least one sequence slot"
         );
         ensure!(
+            opts.prefill_chunk > 0,
+            "the prefill chunk must hold at least one token"
+        );
+        ensure!(
             c.head_dim.is_multiple_of(32) && c.head_dim <= 256,
             "head_dim {} unsupported by the CUDA kernels (a multiple of 32, at most 256)",
             c.head_dim
@@ -590,6 +603,7 @@ impl CudaBackend {
             use_graphs: opts.use_graphs,
             num_sms,
             prefill: Mutex::new(None),
+            prefill_chunk: opts.prefill_chunk.min(opts.max_context),
             timer: Mutex::new(timing::PartTimer::default()),
         })
     }
@@ -1394,7 +1408,7 @@ impl Backend for CudaBackend {
     fn prefill(&self, state: &mut CudaState, tokens: &[u32], which: LogitsFor) -> Result<Vec<f32>> {
         ensure!(!tokens.is_empty(), "prefill needs at least one token");
         let mut out = Vec::new();
-        let chunks = tokens.chunks(prefill::PREFILL_CHUNK);
+        let chunks = tokens.chunks(self.prefill_chunk);
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.enumerate() {
             let logits = self.prefill_chunk(state, chunk, which)?;

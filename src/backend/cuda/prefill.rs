@@ -19,9 +19,6 @@ use super::{
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
 
-/// Tokens per prefill chunk: the MoE reads every expert's weights once per chunk, so larger
-/// chunks read less; the chunk's activations take about 300 MB at full size.
-pub(super) const PREFILL_CHUNK: usize = 1024;
 /// Rows of logits computed at a time when every position's logits are asked for.
 const LOGITS_ROWS: usize = 128;
 /// Context splits per query token of the chunk's attention (each split walks its positions).
@@ -65,14 +62,14 @@ pub(super) struct PrefillScratch {
 }
 
 /// Most tiles of GROUP_TILE assignments the experts' runs of a chunk can make.
-fn max_group_tiles(c: &crate::config::ModelConfig) -> usize {
-    (PREFILL_CHUNK * c.num_experts_per_tok).div_ceil(GROUP_TILE) + c.num_experts
+fn max_group_tiles(c: &crate::config::ModelConfig, chunk: usize) -> usize {
+    (chunk * c.num_experts_per_tok).div_ceil(GROUP_TILE) + c.num_experts
 }
 
 impl PrefillScratch {
     pub(super) fn new(stream: &Arc<CudaStream>, b: &CudaBackend) -> Result<Self> {
         let c = &b.config;
-        let n = PREFILL_CHUNK;
+        let n = b.prefill_chunk;
         let heads_hd = c.num_attention_heads * c.head_dim;
         let proj = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
             .max(2 * heads_hd + 2 * c.num_key_value_heads * c.head_dim);
@@ -103,7 +100,7 @@ impl PrefillScratch {
             x16: stream.alloc_zeros::<u16>(n * widest)?,
             xscale: z(n)?,
             order: stream.alloc_zeros::<i32>(n * c.num_experts_per_tok)?,
-            tiles: stream.alloc_zeros::<i32>(3 * max_group_tiles(c))?,
+            tiles: stream.alloc_zeros::<i32>(3 * max_group_tiles(c, n))?,
             tile_count: stream.alloc_zeros::<i32>(1)?,
             gate_rows: z(n * c.num_experts_per_tok * inter)?,
             up_rows: z(n * c.num_experts_per_tok * inter)?,
@@ -118,7 +115,7 @@ impl PrefillScratch {
 }
 
 impl CudaBackend {
-    /// Runs `tokens` (at most PREFILL_CHUNK) from the state's position and returns the logits of
+    /// Runs `tokens` (at most the prefill chunk) from the state's position and returns the logits of
     /// every token (`LogitsFor::All`) or of the last.
     pub(super) fn prefill_chunk(
         &self,
@@ -128,8 +125,9 @@ impl CudaBackend {
     ) -> Result<Vec<f32>> {
         let n = tokens.len();
         ensure!(
-            (1..=PREFILL_CHUNK).contains(&n),
-            "a prefill chunk holds 1 to {PREFILL_CHUNK} tokens"
+            (1..=self.prefill_chunk).contains(&n),
+            "a prefill chunk holds 1 to {} tokens",
+            self.prefill_chunk
         );
         let c = &self.config;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
@@ -168,7 +166,7 @@ impl CudaBackend {
         let token_ids = ptr(&ps.tokens, s);
         let n32 = n as i32;
         let embed = m.embed.desc(s);
-        // SAFETY: x holds PREFILL_CHUNK rows of hidden_size floats; token ids checked above.
+        // SAFETY: x holds prefill_chunk rows of hidden_size floats; token ids checked above.
         unsafe {
             self.launch(
                 "embed",
@@ -432,7 +430,7 @@ impl CudaBackend {
         let (gate_rows, up_rows, down_rows) = (p(&ps.gate_rows), p(&ps.up_rows), p(&ps.down_rows));
         let (act16, actscale) = (ptr(&ps.act16, s), p(&ps.actscale));
         let top_k = c.num_experts_per_tok as i32;
-        let tiles_max = max_group_tiles(c) as u32;
+        let tiles_max = max_group_tiles(c, self.prefill_chunk) as u32;
         // One launch for one or two stacked expert matrices with the same rows and inputs (gate
         // and up: grid.z picks the matrix).
         let grouped = |w: [&DeviceWeight; 2],
