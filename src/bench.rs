@@ -129,7 +129,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     );
     println!(
         "prefill work       {:.2} TFLOP: {:.1} TFLOP/s = {:.1}% of the measured fp16 tensor-core \
-         rate ({:.0} TFLOP/s, mma.sync m16n8k16)",
+         rate ({:.0} TFLOP/s, wgmma m64n64k16)",
         flops / 1e12,
         flops / prefill_s / 1e12,
         100.0 * flops / prefill_s / tensor_rate,

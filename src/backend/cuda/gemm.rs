@@ -7,14 +7,12 @@ use super::weights::{DeviceWeight, ptr};
 use super::{CudaBackend, arg, cfg};
 use crate::model::{Matrix, Storage};
 
-/// Weight rows and tokens one `gemm_q` block covers, its threads, its pipeline stages and the
-/// padded width of a token's row of inputs in shared memory, in 32-bit words (GEMM_ROWS,
-/// GEMM_TOKENS, GEMM_THREADS, GEMM_STAGES, GEMM_X_STRIDE in gemm.cu).
+/// Weight rows and tokens one `gemm_q` block covers, its threads and its pipeline stages
+/// (GEMM_ROWS, GEMM_TOKENS, GEMM_THREADS, GEMM_STAGES in gemm.cu).
 pub(super) const GEMM_ROWS: usize = 128;
 const GEMM_TOKENS: usize = 64;
 pub(super) const GEMM_THREADS: u32 = 128;
 const GEMM_STAGES: usize = 4;
-const GEMM_X_STRIDE: usize = 36;
 /// Inputs per pipeline stage (GEMM_K).
 const GEMM_K: usize = 64;
 
@@ -22,7 +20,7 @@ const GEMM_K: usize = 64;
 /// weight rows and token rows.
 pub(super) fn gemm_smem_bytes(bits: usize) -> u32 {
     let weights = GEMM_ROWS * GEMM_K * bits / 8;
-    let inputs = GEMM_TOKENS * GEMM_X_STRIDE * 4;
+    let inputs = GEMM_TOKENS * GEMM_K * 2;
     (GEMM_STAGES * (weights + inputs)) as u32
 }
 
@@ -134,23 +132,24 @@ impl CudaBackend {
         }
     }
 
-    /// The fp16 tensor-core rate (FLOP/s) this GPU sustains for the m16n8k16 products the
-    /// prefill kernels use, measured with products on registers only (mma_peak).
+    /// The fp16 tensor-core rate (FLOP/s) this GPU sustains for the wgmma m64n64k16 products
+    /// the prefill kernels use, measured with products on registers and shared memory only
+    /// (wgmma_peak).
     pub fn tensor_core_rate(&self) -> Result<f64> {
-        const ITERS: i32 = 1 << 12;
-        const FLOP_PER_MMA: f64 = 2.0 * 16.0 * 8.0 * 16.0;
+        const ITERS: i32 = 1 << 10;
+        const FLOP_PER_PRODUCT: f64 = 2.0 * 64.0 * 64.0 * 16.0;
         let s = &self.stream;
-        let out = s.alloc_zeros::<f32>(256)?;
+        let out = s.alloc_zeros::<f32>(128)?;
         let out_ptr = ptr(&out, s);
         let blocks = self.num_sms * 4;
         let run = |iters: i32| -> Result<f64> {
             let start = std::time::Instant::now();
-            // SAFETY: mma_peak writes at most 256 floats of out.
+            // SAFETY: wgmma_peak writes at most 128 floats of out.
             unsafe {
                 self.launch(
-                    "mma_peak",
-                    &self.k.mma_peak,
-                    cfg(blocks, 1, 256, 0),
+                    "wgmma_peak",
+                    &self.k.wgmma_peak,
+                    cfg(blocks, 1, 128, 0),
                     &mut [arg(&iters), arg(&out_ptr)],
                 )
             }?;
@@ -159,7 +158,7 @@ impl CudaBackend {
         };
         run(16)?;
         let secs = run(ITERS)?;
-        let mmas = blocks as f64 * 8.0 * ITERS as f64 * 8.0;
-        Ok(mmas * FLOP_PER_MMA / secs)
+        let products = blocks as f64 * ITERS as f64 * 8.0;
+        Ok(products * FLOP_PER_PRODUCT / secs)
     }
 }

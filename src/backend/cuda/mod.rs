@@ -279,7 +279,7 @@ struct Kernels {
     add_expert_rows: CudaFunction,
     moe_route: CudaFunction,
     moe_group: CudaFunction,
-    mma_peak: CudaFunction,
+    wgmma_peak: CudaFunction,
 }
 
 /// Activations of one decode step, shared by all sequences (steps run one after another).
@@ -484,7 +484,7 @@ impl CudaBackend {
             add_expert_rows: get("add_expert_rows")?,
             moe_route: get("moe_route")?,
             moe_group: get("moe_group")?,
-            mma_peak: get("mma_peak")?,
+            wgmma_peak: get("wgmma_peak")?,
         };
         // Kernels that stage inputs in dynamic shared memory may use more than the default 48 KB.
         for f in [
@@ -1501,7 +1501,7 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "gemm_q_grouped",
             "swiglu_to_half",
             "add_expert_rows",
-            "mma_peak",
+            "wgmma_peak",
         ],
         _ => &[],
     }

@@ -1,8 +1,9 @@
 // Prefill matrix products on tensor cores: Y[t, n] = sum_k X[t, k] W[n, k] for a block of tokens
 // at once, W in MLX 4-bit or 8-bit (dequantised in registers, never expanded in device memory).
 //
-// mma.sync m16n8k16 (fp16 in, f32 accumulate) with the weight rows as the M side and the tokens
-// as the N side. A dot product does not care in which order it visits k, so each lane takes the
+// Hopper's warpgroup products (wgmma m64n64k16, fp16 in, f32 accumulate) with the weight rows as
+// the M side, dequantised into registers (the A operand), and the tokens as the N side, read by
+// the tensor cores from shared memory (the B operand). A dot product does not care in which order it visits k, so each lane takes the
 // k values that are cheap for it. 4-bit: in a 32-bit word of 8 nibbles, lane c of a quad takes
 // nibbles c and c + 4, which one shift and one LOP3 turn into a half2 (1024 + q_c, 1024 + q_{c+4});
 // the inputs are stored with the same permutation, (0, 4, 1, 5, 2, 6, 3, 7) within each group of
@@ -12,22 +13,11 @@
 // fp16 holds x after division by a per-token power of two (|x / s| < 2^15); the products
 // accumulate in f32 and the epilogue multiplies s back.
 
-#define GEMM_ROWS 128    // weight rows per block: 4 warps of 32
-#define GEMM_TOKENS 64   // tokens per block: every warp takes all 64
-#define GEMM_THREADS 128 // 4 warps
+#define GEMM_ROWS 128    // weight rows per block: two 64-row halves
+#define GEMM_TOKENS 64   // tokens per block (the N of the products)
+#define GEMM_THREADS 128 // one warpgroup
 #define GEMM_K 64        // inputs per pipeline stage
 #define GEMM_STAGES 4    // stages in dynamic shared memory: three loads in flight while one is multiplied
-#define GEMM_X_STRIDE 36 // 32-bit words per token row in shared memory (32 + 4: ldmatrix rows
-                         // of consecutive tokens fall in different banks)
-
-__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // The lane's pair of quantised values in word w (already shifted right by the lane's offset:
 // 4c bits for 4-bit, 8 (c & 1) for 8-bit) as the half2 (scale * q + bias) of each.
@@ -97,21 +87,51 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
 }
 
-// Four 8x8 fp16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8
-// and receives, from each matrix, the pair at (row l / 4, columns 2 (l % 4), + 1).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+// The warpgroup product D (64 rows x 64 tokens, f32) += A (64 rows x 16 inputs, fp16, this
+// warp's 16 rows in a0..a3 as for mma.sync m16n8k16) x B (16 inputs x 64 tokens in shared
+// memory, described by `desc`). Asynchronous: see wgmma_commit / wgmma_wait.
+__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
+// Orders this thread's register writes before the next wgmma reads them.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Waits until at most PENDING committed groups of products are still running.
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+// Makes this thread's shared-memory writes (cp.async included) visible to the tensor cores'
+// reads, which go through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Shared-memory matrix descriptor without swizzling: 8x8 core matrices of 16-byte rows, `lead`
+// bytes apart along the inputs (K) and `stride` bytes apart along the tokens (N).
+__device__ __forceinline__ uint64_t smem_desc(const void* smem, uint32_t lead, uint32_t stride) {
     const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
+    return (uint64_t)((a >> 4) & 0x3FFF) | ((uint64_t)((lead >> 4) & 0x3FFF) << 16) |
+           ((uint64_t)((stride >> 4) & 0x3FFF) << 32);
 }
 
 // One pipeline stage: the block's 128 weight rows and 64 token rows over GEMM_K inputs. A row's
-// GEMM_K inputs are BITS / 2 chunks of 16 bytes (32 4-bit or 16 8-bit inputs each).
+// GEMM_K inputs are BITS / 2 chunks of 16 bytes (32 4-bit or 16 8-bit inputs each). The tokens'
+// inputs are laid out as the tensor cores read B: x[k block][token] holds inputs 8 kb .. 8 kb + 7
+// of a token, so each 8 tokens x 8 inputs core matrix is 128 contiguous bytes, core matrices
+// 128 bytes apart along the tokens and GEMM_TOKENS * 16 bytes apart along the inputs.
 template <int BITS>
 struct GemmStage {
     uint4 w[GEMM_ROWS][BITS / 2];
-    uint32_t x[GEMM_TOKENS][GEMM_X_STRIDE];  // 64 fp16 inputs (32 words) per token, padded
+    uint4 x[GEMM_K / 8][GEMM_TOKENS];
 };
 
 // y[out_row(i), r] (+)= sum_k x16[in_row(i), k] w[row_base + r, k] * xscale[in_row(i)] for the
@@ -120,10 +140,11 @@ struct GemmStage {
 // together and read its weights from DRAM once.
 //
 // Weights and inputs stream through GEMM_STAGES stages of dynamic shared memory with cp.async
-// (out-of-range rows clamped, inputs past K zero-filled); warp w multiplies rows 32w .. 32w + 31
-// by all 64 tokens: per 16 inputs, 8 dequantised A registers and 4 ldmatrix loads feed 16
-// products. The scales and biases of the next stage are loaded into registers while this one is
-// multiplied.
+// (out-of-range rows clamped, inputs past K zero-filled). The block is one warpgroup: per 16
+// inputs, warp w dequantises its rows 16w .. 16w + 15 of both 64-row halves into registers and
+// the warpgroup issues two asynchronous 64x64x16 products, which run while the next 16 inputs
+// are dequantised. The scales and biases of the next stage are loaded into registers while this
+// one is multiplied.
 template <int BITS>
 __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int rows, int row_block,
                                           const TokenTile& tile, const __half* x16, const float* xscale, float* y,
@@ -170,19 +191,19 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const bool valid = k0 + 8 * xdst_part[i] < K;
-            cp_async_16(&st.x[xdst_tok[i]][4 * xdst_part[i]], valid ? xsrc[i] + k0 : x16, valid);
+            cp_async_16(&st.x[xdst_part[i]][xdst_tok[i]], valid ? xsrc[i] + k0 : x16, valid);
         }
     };
 
-    // This lane's weight rows: g, g + 8 of each of the warp's two 16-row tiles; their scale and
-    // bias for each 32-input half of a stage (groups hold at least 32 inputs).
+    // This lane's weight rows: 16 warp + g and + 8 of each 64-row half; their scale and bias for
+    // each 32-input half of a stage (groups hold at least 32 inputs).
     const bf16* srow[2][2];
     const bf16* brow[2][2];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const size_t r = row_base + min(row_block * GEMM_ROWS + warp * 32 + 16 * m + 8 * h + g, rows - 1);
+            const size_t r = row_base + min(row_block * GEMM_ROWS + 64 * m + 16 * warp + 8 * h + g, rows - 1);
             srow[m][h] = w.scales + r * groups;
             brow[m][h] = w.biases + r * groups;
         }
@@ -201,11 +222,9 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         }
     };
 
-    // n-tiles (8 tokens) of the tile that hold tokens: the rest are skipped.
-    const int live_tiles = (tile.count + 7) >> 3;
     // The lane's shift within a word: its nibble pair (4-bit) or byte pair (8-bit).
     const int shift = BITS == 4 ? 4 * c : 8 * (c & 1);
-    float acc[2][8][4] = {};
+    float acc[2][32] = {};
 
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; ++s) {
@@ -215,6 +234,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     load_scales(0);
     for (int step = 0; step < steps; ++step) {
         cp_async_wait<GEMM_STAGES - 2>();
+        fence_proxy_async();
         __syncthreads();
         const int ahead = step + GEMM_STAGES - 1;
         if (ahead < steps) issue(ahead % GEMM_STAGES, ahead);
@@ -234,14 +254,16 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         const GemmStage<BITS>& st = stages[step % GEMM_STAGES];
         // Step j covers inputs 16j .. 16j + 15 of the stage: for 4-bit, words 2 (j % 2) and
         // 2 (j % 2) + 1 of chunk j / 2 (8 inputs each); for 8-bit, words c / 2 and 2 + c / 2 of
-        // chunk j (4 inputs each).
+        // chunk j (4 inputs each). A registers alternate between two sets, so that step j's can
+        // be written while step j - 1's products still read theirs.
+        uint32_t a[2][2][4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int hh = j >> 1;
-            uint32_t a[2][4];
+            uint32_t (&aj)[2][4] = a[j & 1];
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
-                const int row = warp * 32 + 16 * m + g;
+                const int row = 64 * m + 16 * warp + g;
                 const uint4 lo = st.w[row][BITS == 4 ? hh : j], hi = st.w[row + 8][BITS == 4 ? hh : j];
                 // (x, y) or (z, w) for 4-bit (by j, known at compile time); (x, z) or (y, w) for
                 // 8-bit (by lane: selects, not an indexed local array, which would live on the stack).
@@ -250,43 +272,38 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
                 const uint32_t l1 = BITS == 4 ? (odd ? lo.w : lo.y) : (odd ? lo.w : lo.z);
                 const uint32_t u0 = BITS == 4 ? (odd ? hi.z : hi.x) : (odd ? hi.y : hi.x);
                 const uint32_t u1 = BITS == 4 ? (odd ? hi.w : hi.y) : (odd ? hi.w : hi.z);
-                a[m][0] = dequant_pair<BITS>(l0 >> shift, scale[m][0][hh], bias[m][0][hh]);
-                a[m][1] = dequant_pair<BITS>(u0 >> shift, scale[m][1][hh], bias[m][1][hh]);
-                a[m][2] = dequant_pair<BITS>(l1 >> shift, scale[m][0][hh], bias[m][0][hh]);
-                a[m][3] = dequant_pair<BITS>(u1 >> shift, scale[m][1][hh], bias[m][1][hh]);
+                aj[m][0] = dequant_pair<BITS>(l0 >> shift, scale[m][0][hh], bias[m][0][hh]);
+                aj[m][1] = dequant_pair<BITS>(u0 >> shift, scale[m][1][hh], bias[m][1][hh]);
+                aj[m][2] = dequant_pair<BITS>(l1 >> shift, scale[m][0][hh], bias[m][0][hh]);
+                aj[m][3] = dequant_pair<BITS>(u1 >> shift, scale[m][1][hh], bias[m][1][hh]);
             }
-            // ldmatrix: matrices (tile n, words 8j..8j+3), (tile n, 8j+4..), (n + 1, 8j..), (n + 1, 8j+4..).
-            const int mat = lane >> 3, r = lane & 7;
+            // Inputs 16j .. 16j + 15 are k blocks 2j and 2j + 1.
+            const uint64_t desc = smem_desc(&st.x[2 * j][0], GEMM_TOKENS * 16, 128);
+            wgmma_fence();
 #pragma unroll
-            for (int n = 0; n < 8; n += 2) {
-                if (n >= live_tiles) break;
-                uint32_t b[4];
-                ldmatrix_x4(b, &st.x[8 * (n + (mat >> 1)) + r][8 * j + 4 * (mat & 1)]);
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    mma_f16_16816(acc[m][n], a[m][0], a[m][1], a[m][2], a[m][3], b[0], b[1]);
-                    mma_f16_16816(acc[m][n + 1], a[m][0], a[m][1], a[m][2], a[m][3], b[2], b[3]);
-                }
-            }
+            for (int m = 0; m < 2; ++m) wgmma_64x64x16(acc[m], aj[m][0], aj[m][1], aj[m][2], aj[m][3], desc);
+            wgmma_commit();
+            // Step j - 1's products are done, so its A registers may be rewritten at step j + 1.
+            wgmma_wait<1>();
         }
+        // All of this stage's products are done before the next barrier lets its buffer refill.
+        wgmma_wait<0>();
     }
     cp_async_wait<0>();
 
-    // D fragment: d0, d1 = (row g, tokens 2c, 2c + 1); d2, d3 = (row g + 8, same tokens).
-    const int row0 = row_block * GEMM_ROWS + warp * 32;
+    // D fragment of each 64-row half m: acc[m][4 nb + e] is row 16 warp + g (+ 8 for e >= 2),
+    // token 8 nb + 2c + (e & 1).
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = row0 + 16 * m + g + (e >= 2 ? 8 : 0);
-                const int i = 8 * n + 2 * c + (e & 1);
-                if (r >= rows || i >= tile.count) continue;
-                const float v = acc[m][n][e] * xscale[tile.in_row(i)];
-                float* out = y + (size_t)tile.assignment(i) * rows + r;
-                *out = accumulate ? *out + v : v;
-            }
+        for (int i = 0; i < 32; ++i) {
+            const int r = row_block * GEMM_ROWS + 64 * m + 16 * warp + g + ((i & 2) ? 8 : 0);
+            const int t = 8 * (i >> 2) + 2 * c + (i & 1);
+            if (r >= rows || t >= tile.count) continue;
+            const float v = acc[m][i] * xscale[tile.in_row(t)];
+            float* out = y + (size_t)tile.assignment(t) * rows + r;
+            *out = accumulate ? *out + v : v;
+        }
 }
 
 // gemm_tile for the weight's width (4 or 8 bits; the host sends nothing else).
@@ -375,18 +392,30 @@ extern "C" __global__ void __launch_bounds__(256) add_expert_rows(const float* d
     residual[t * hidden + i] += sum;
 }
 
-// The tensor-core rate this GPU sustains for the mma.sync m16n8k16 fp16 products the prefill
-// kernels use: each warp runs `iters` rounds of 8 independent products on registers (no memory
-// traffic). The sum goes to out only if it equals an impossible value, so the compiler keeps the
-// work. Grid: any, 256 threads.
-extern "C" __global__ void __launch_bounds__(256) mma_peak(int iters, float* out) {
-    const uint32_t a = 0x3c003c00u ^ threadIdx.x, b = 0x38003800u ^ blockIdx.x;
-    float acc[8][4] = {};
-    for (int i = 0; i < iters; ++i)
+// The tensor-core rate this GPU sustains for the wgmma m64n64k16 fp16 products the prefill
+// kernels use: each warpgroup runs `iters` rounds of eight products on registers and a zeroed
+// shared-memory B (no global memory traffic). The sums go to out only if they equal an
+// impossible value, so the compiler keeps the work. Grid: any, 128 threads.
+extern "C" __global__ void __launch_bounds__(128) wgmma_peak(int iters, float* out) {
+    __shared__ __align__(128) uint4 b[2][GEMM_TOKENS];
+    for (int i = threadIdx.x; i < 2 * GEMM_TOKENS; i += blockDim.x) b[i / GEMM_TOKENS][i % GEMM_TOKENS] = make_uint4(0, 0, 0, 0);
+    fence_proxy_async();
+    __syncthreads();
+    const uint64_t desc = smem_desc(&b[0][0], GEMM_TOKENS * 16, 128);
+    const uint32_t a = 0x3c003c00u ^ threadIdx.x;
+    float acc[2][32] = {};
+    for (int i = 0; i < iters; ++i) {
+        wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 8; ++j) mma_f16_16816(acc[j], a, a ^ j, b, a, b ^ i, b);
+        for (int k = 0; k < 4; ++k) {
+            wgmma_64x64x16(acc[0], a, a, a, a, desc);
+            wgmma_64x64x16(acc[1], a, a, a, a, desc);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+    }
     float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) sum += acc[j][0] + acc[j][1] + acc[j][2] + acc[j][3];
+    for (int i = 0; i < 32; ++i) sum += acc[0][i] + acc[1][i];
     if (sum == -1.2345e-30f) out[threadIdx.x] = sum;
 }
