@@ -17,11 +17,12 @@ const GEMM_STAGES: usize = 4;
 const GEMM_K: usize = 64;
 
 /// Dynamic shared memory of `gemm_q` and `gemm_q_grouped` for `bits`-bit weights: the stages'
-/// weight rows and token rows.
+/// weight rows, token rows, and the words holding each row's scales and biases.
 pub(super) fn gemm_smem_bytes(bits: usize) -> u32 {
     let weights = GEMM_ROWS * GEMM_K * bits / 8;
     let inputs = GEMM_TOKENS * GEMM_K * 2;
-    (GEMM_STAGES * (weights + inputs)) as u32
+    let scales_biases = GEMM_ROWS * 2 * 2 * 4;
+    (GEMM_STAGES * (weights + inputs + scales_biases)) as u32
 }
 
 /// Whether the tensor-core products take `w`: MLX 4- or 8-bit with groups of at least 32 inputs.

@@ -81,6 +81,13 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool
     const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0));
 }
+// Copies the aligned 32-bit word holding the bf16 at `global` (scales and biases: 4-byte
+// aligned allocations) to `smem`.
+__device__ __forceinline__ void cp_async_word(uint32_t* smem, const bf16* global) {
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+    const void* src = reinterpret_cast<const void*>(reinterpret_cast<size_t>(global) & ~(size_t)3);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
@@ -132,6 +139,8 @@ template <int BITS>
 struct GemmStage {
     uint4 w[GEMM_ROWS][BITS / 2];
     uint4 x[GEMM_K / 8][GEMM_TOKENS];
+    // Per row and 32-input half: the words holding its group's scale and bias.
+    uint32_t scale_bias[GEMM_ROWS][2][2];
 };
 
 // y[out_row(i), r] (+)= sum_k x16[in_row(i), k] w[row_base + r, k] * xscale[in_row(i)] for the
@@ -143,8 +152,7 @@ struct GemmStage {
 // (out-of-range rows clamped, inputs past K zero-filled). The block is one warpgroup: per 16
 // inputs, warp w dequantises its rows 16w .. 16w + 15 of both 64-row halves into registers and
 // the warpgroup issues two asynchronous 64x64x16 products, which run while the next 16 inputs
-// are dequantised. The scales and biases of the next stage are loaded into registers while this
-// one is multiplied.
+// are dequantised. Each stage also brings its rows' scales and biases (the words holding them).
 template <int BITS>
 __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int rows, int row_block,
                                           const TokenTile& tile, const __half* x16, const float* xscale, float* y,
@@ -159,7 +167,8 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     const int steps = (K + GEMM_K - 1) / GEMM_K;
     const uint4* wdata = reinterpret_cast<const uint4*>(w.data);
 
-    // Copies of this thread per stage: CHUNKS weight chunks and 4 input chunks.
+    // Copies of this thread per stage: CHUNKS weight chunks, 4 input chunks and 4 scale or bias
+    // words (row q / 4, half (q / 2) % 2, scale or bias q % 2).
     const uint4* wsrc[CHUNKS];
     int wdst_row[CHUNKS], wdst_chunk[CHUNKS];
 #pragma unroll
@@ -180,9 +189,24 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         const int t = min(xdst_tok[i], tile.count - 1);
         xsrc[i] = x16 + (size_t)tile.in_row(t) * K + 8 * xdst_part[i];
     }
+    const bf16* sbsrc[4];
+    int sb_half[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int q = threadIdx.x + i * GEMM_THREADS;
+        sb_half[i] = (q >> 1) & 1;
+        const size_t r = row_base + min(row_block * GEMM_ROWS + (q >> 2), rows - 1);
+        sbsrc[i] = ((q & 1) ? w.biases : w.scales) + r * groups;
+    }
     auto issue = [&](int stage, int step) {
         GemmStage<BITS>& st = stages[stage];
         const int k0 = step * GEMM_K;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int q = threadIdx.x + i * GEMM_THREADS;
+            const int grp = min((k0 + 32 * sb_half[i]) >> w.group_shift, groups - 1);
+            cp_async_word(&st.scale_bias[q >> 2][sb_half[i]][q & 1], sbsrc[i] + grp);
+        }
 #pragma unroll
         for (int i = 0; i < CHUNKS; ++i) {
             const bool valid = k0 + PER_CHUNK * wdst_chunk[i] < K;
@@ -195,32 +219,16 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         }
     };
 
-    // This lane's weight rows: 16 warp + g and + 8 of each 64-row half; their scale and bias for
-    // each 32-input half of a stage (groups hold at least 32 inputs).
-    const bf16* srow[2][2];
-    const bf16* brow[2][2];
+    // Which half of its scale and bias words each of this lane's rows (16 warp + g and + 8 of
+    // each 64-row half) reads at group 0: the parity of the row's first group index.
+    int row_parity[2][2];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const size_t r = row_base + min(row_block * GEMM_ROWS + 64 * m + 16 * warp + 8 * h + g, rows - 1);
-            srow[m][h] = w.scales + r * groups;
-            brow[m][h] = w.biases + r * groups;
+            row_parity[m][h] = (int)((r * groups) & 1);
         }
-    bf16 next_scale[2][2][2], next_bias[2][2][2];
-    auto load_scales = [&](int step) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int grp = min((step * GEMM_K + 32 * hh) >> w.group_shift, groups - 1);
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    next_scale[m][h][hh] = srow[m][h][grp];
-                    next_bias[m][h][hh] = brow[m][h][grp];
-                }
-        }
-    };
 
     // The lane's shift within a word: its nibble pair (4-bit) or byte pair (8-bit).
     const int shift = BITS == 4 ? 4 * c : 8 * (c & 1);
@@ -231,7 +239,6 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         if (s < steps) issue(s, s);
         cp_async_commit();
     }
-    load_scales(0);
     for (int step = 0; step < steps; ++step) {
         cp_async_wait<GEMM_STAGES - 2>();
         fence_proxy_async();
@@ -239,19 +246,24 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         const int ahead = step + GEMM_STAGES - 1;
         if (ahead < steps) issue(ahead % GEMM_STAGES, ahead);
         cp_async_commit();
+        const GemmStage<BITS>& st = stages[step % GEMM_STAGES];
         __half2 scale[2][2][2], bias[2][2][2];
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+        for (int hh = 0; hh < 2; ++hh) {
+            const int grp = min((step * GEMM_K + 32 * hh) >> w.group_shift, groups - 1);
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+            for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    scale[m][h][hh] = __float2half2_rn(__bfloat162float(next_scale[m][h][hh]));
-                    bias[m][h][hh] = __float2half2_rn(__bfloat162float(next_bias[m][h][hh]));
+                for (int h = 0; h < 2; ++h) {
+                    const int row = 64 * m + 16 * warp + 8 * h + g;
+                    const int high = (row_parity[m][h] ^ grp) & 1;
+                    const uint32_t sw = st.scale_bias[row][hh][0] >> (16 * high);
+                    const uint32_t bw = st.scale_bias[row][hh][1] >> (16 * high);
+                    scale[m][h][hh] = __float2half2_rn(bf16_to_f32((uint16_t)sw));
+                    bias[m][h][hh] = __float2half2_rn(bf16_to_f32((uint16_t)bw));
                 }
-        if (step + 1 < steps) load_scales(step + 1);
+        }
 
-        const GemmStage<BITS>& st = stages[step % GEMM_STAGES];
         // Step j covers inputs 16j .. 16j + 15 of the stage: for 4-bit, words 2 (j % 2) and
         // 2 (j % 2) + 1 of chunk j / 2 (8 inputs each); for 8-bit, words c / 2 and 2 + c / 2 of
         // chunk j (4 inputs each). A registers alternate between two sets, so that step j's can
