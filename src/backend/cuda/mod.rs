@@ -191,9 +191,14 @@ struct AttentionBuffers {
     q: u64,
     k_cache: u64,
     v_cache: u64,
-    part_max: u64,
-    part_sum: u64,
-    part_out: u64,
+    out: u64,
+}
+
+/// Where attention decode keeps each context split's running maximum, sum and unnormalised
+/// output (device addresses).
+struct AttentionSplits {
+    max: u64,
+    sum: u64,
     out: u64,
 }
 
@@ -265,6 +270,7 @@ struct Kernels {
     attention_prepare: CudaFunction,
     attention_split: CudaFunction,
     attention_combine: CudaFunction,
+    attention_prefill: CudaFunction,
     moe_router_shared: CudaFunction,
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
@@ -470,6 +476,7 @@ impl CudaBackend {
             attention_prepare: get("attention_prepare")?,
             attention_split: get("attention_split")?,
             attention_combine: get("attention_combine")?,
+            attention_prefill: get("attention_prefill")?,
             moe_router_shared: get("moe_router_shared")?,
             moe_gate_up: get("moe_gate_up")?,
             moe_down: get("moe_down")?,
@@ -495,6 +502,7 @@ impl CudaBackend {
             &k.deltanet_step,
             &k.gemm_q,
             &k.gemm_q_grouped,
+            &k.attention_prefill,
         ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -935,12 +943,14 @@ impl CudaBackend {
                         q: p(&sc.q),
                         k_cache: ptr(&slot.kv[attn_i].0, s),
                         v_cache: ptr(&slot.kv[attn_i].1, s),
-                        part_max: p(&sc.part_max),
-                        part_sum: p(&sc.part_sum),
-                        part_out: p(&sc.part_out),
                         out: core,
                     };
-                    self.attention(&attn_dims, &attn, 1)?;
+                    let splits = AttentionSplits {
+                        max: p(&sc.part_max),
+                        sum: p(&sc.part_sum),
+                        out: p(&sc.part_out),
+                    };
+                    self.attention(&attn_dims, &attn, &splits, 1)?;
                     self.matvec(o_proj, core, None, x, true)?;
                     attn_i += 1;
                 }
@@ -1043,19 +1053,27 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// One attention layer for `tokens` tokens at consecutive positions: q/k norms, RoPE and the
-    /// cache append, the context splits, their merge with the output gate.
-    fn attention(&self, dims: &AttentionDims, b: &AttentionBuffers, tokens: usize) -> Result<()> {
+    /// q/k norms, RoPE and the cache append for `tokens` tokens at consecutive positions.
+    fn attention_prepare(
+        &self,
+        dims: &AttentionDims,
+        b: &AttentionBuffers,
+        tokens: usize,
+    ) -> Result<()> {
         let c = &self.config;
-        let tokens = tokens as u32;
         let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
-        // SAFETY: the host checks every position against max_context; q, proj and out hold a
-        // row per token, the partial buffers tokens * heads * dims.splits entries.
+        // SAFETY: the host checks every position against max_context; q and proj hold a row per
+        // token.
         unsafe {
             self.launch(
                 "attention_prepare",
                 &self.k.attention_prepare,
-                cfg(blocks, tokens, c.head_dim as u32, (c.head_dim * 4) as u32),
+                cfg(
+                    blocks,
+                    tokens as u32,
+                    c.head_dim as u32,
+                    (c.head_dim * 4) as u32,
+                ),
                 &mut [
                     arg(dims),
                     arg(&b.proj),
@@ -1066,7 +1084,25 @@ impl CudaBackend {
                     arg(&b.k_cache),
                     arg(&b.v_cache),
                 ],
-            )?;
+            )
+        }
+    }
+
+    /// One attention layer for `tokens` tokens at consecutive positions through the decode
+    /// kernels: attention_prepare, the context splits, their merge with the output gate.
+    fn attention(
+        &self,
+        dims: &AttentionDims,
+        b: &AttentionBuffers,
+        parts: &AttentionSplits,
+        tokens: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        self.attention_prepare(dims, b, tokens)?;
+        let tokens = tokens as u32;
+        // SAFETY: q, proj and out hold a row per token, the split buffers tokens * heads *
+        // dims.splits entries (of head_dim floats for `out`).
+        unsafe {
             let mut split = cfg(
                 c.num_key_value_heads as u32,
                 dims.splits as u32,
@@ -1084,9 +1120,9 @@ impl CudaBackend {
                     arg(&b.k_cache),
                     arg(&b.v_cache),
                     arg(&b.position),
-                    arg(&b.part_max),
-                    arg(&b.part_sum),
-                    arg(&b.part_out),
+                    arg(&parts.max),
+                    arg(&parts.sum),
+                    arg(&parts.out),
                 ],
             )?;
             self.launch(
@@ -1097,9 +1133,9 @@ impl CudaBackend {
                     arg(dims),
                     arg(&b.proj),
                     arg(&b.position),
-                    arg(&b.part_max),
-                    arg(&b.part_sum),
-                    arg(&b.part_out),
+                    arg(&parts.max),
+                    arg(&parts.sum),
+                    arg(&parts.out),
                     arg(&b.out),
                 ],
             )?;
@@ -1480,7 +1516,12 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "deltanet_scan",
             "deltanet_gated_norm",
         ],
-        "attention" => &["attention_prepare", "attention_split", "attention_combine"],
+        "attention" => &[
+            "attention_prepare",
+            "attention_split",
+            "attention_combine",
+            "attention_prefill",
+        ],
         "moe" => &[
             "moe_router_shared",
             "moe_gate_up",

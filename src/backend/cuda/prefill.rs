@@ -1,8 +1,9 @@
 //! Prefill: a prompt goes through the model a chunk of tokens at a time, layer by layer over the
-//! whole chunk. 4-bit projections run on tensor cores for the chunk at once (gemm.rs); other
-//! weights, the MoE experts and the recurrences (DeltaNet state, the KV cache) run the decode
-//! kernels with the chunk's tokens along a grid dimension, the recurrences token by token inside
-//! their kernels. Scratch is sized for one chunk, so a prompt of any length fits.
+//! whole chunk. 4-bit projections run on tensor cores for the chunk at once (gemm.rs), and so does
+//! attention (causal flash attention, `attention_prefill`); other weights, the MoE experts and the
+//! recurrences (DeltaNet state, the KV cache append) run the decode kernels with the chunk's
+//! tokens along a grid dimension, the recurrences token by token inside their kernels. Scratch is
+//! sized for one chunk, so a prompt of any length fits.
 
 use anyhow::{Context, Result, ensure};
 use std::sync::Arc;
@@ -21,8 +22,12 @@ use crate::config::ModelConfig;
 
 /// Rows of logits computed at a time when every position's logits are asked for.
 const LOGITS_ROWS: usize = 128;
-/// Context splits per query token of the chunk's attention (each split walks its positions).
-const PREFILL_ATTENTION_SPLITS: usize = 4;
+/// Query tokens per `attention_prefill` block (PREFILL_QUERY_TILE in attention.cu).
+const ATTENTION_QUERY_TILE: usize = 64;
+/// Key positions per step of `attention_prefill` (PREFILL_KEY_TILE).
+const ATTENTION_KEY_TILE: usize = 64;
+/// Threads of an `attention_prefill` block (PREFILL_THREADS: a warp per 16 query rows).
+const ATTENTION_PREFILL_THREADS: u32 = 128;
 /// Assignments per tile of the grouped MoE product (GROUP_TILE in moe.cu).
 const GROUP_TILE: usize = 64;
 
@@ -33,9 +38,6 @@ pub(super) struct PrefillScratch {
     proj: CudaSlice<f32>,
     core: CudaSlice<f32>,
     q: CudaSlice<f32>,
-    part_max: CudaSlice<f32>,
-    part_sum: CudaSlice<f32>,
-    part_out: CudaSlice<f32>,
     router_logits: CudaSlice<f32>,
     act: CudaSlice<f32>,
     ids: CudaSlice<i32>,
@@ -90,9 +92,6 @@ impl PrefillScratch {
             proj: z(n * proj)?,
             core: z(n * c.linear_value_dim().max(heads_hd))?,
             q: z(n * heads_hd)?,
-            part_max: z(n * c.num_attention_heads * PREFILL_ATTENTION_SPLITS)?,
-            part_sum: z(n * c.num_attention_heads * PREFILL_ATTENTION_SPLITS)?,
-            part_out: z(n * heads_hd * PREFILL_ATTENTION_SPLITS)?,
             router_logits: z(n * (c.num_experts + 1))?,
             act: z(n * slots * inter)?,
             ids: stream.alloc_zeros::<i32>(n * slots)?,
@@ -179,7 +178,8 @@ impl CudaBackend {
 
         let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
         let gdn_dims = DeltaNetDims::new(c, gdn.splits);
-        let attn_dims = AttentionDims::new(c, self.max_context, PREFILL_ATTENTION_SPLITS);
+        // No context splits: attention_prefill walks each query tile's keys in one block.
+        let attn_dims = AttentionDims::new(c, self.max_context, 1);
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
             match &layer.mixer {
@@ -250,12 +250,9 @@ impl CudaBackend {
                         q: p(&ps.q),
                         k_cache: ptr(&slot.kv[attn_i].0, s),
                         v_cache: ptr(&slot.kv[attn_i].1, s),
-                        part_max: p(&ps.part_max),
-                        part_sum: p(&ps.part_sum),
-                        part_out: p(&ps.part_out),
                         out: core,
                     };
-                    self.attention(&attn_dims, &attn, n)?;
+                    self.attention_chunk(&attn_dims, &attn, n)?;
                     self.mark(PrefillPart::Attention)?;
                     self.project(ps, o_proj, core, None, x, true, n)?;
                     self.mark(PrefillPart::Projections)?;
@@ -302,6 +299,41 @@ impl CudaBackend {
                 self.mark(PrefillPart::LmHead)?;
                 Ok(s.clone_dtoh(&self.scratch.logits)?)
             }
+        }
+    }
+
+    /// One attention layer for a chunk of `n` tokens: attention_prepare (q/k norms, RoPE, the
+    /// cache append), then causal flash attention on tensor cores with the output gate.
+    fn attention_chunk(&self, dims: &AttentionDims, b: &AttentionBuffers, n: usize) -> Result<()> {
+        let c = &self.config;
+        self.attention_prepare(dims, b, n)?;
+        let tiles = n.div_ceil(ATTENTION_QUERY_TILE) as u32;
+        let n32 = n as i32;
+        let smem = attention_prefill_smem(c.head_dim);
+        // SAFETY: q, proj and out hold n rows; the kernel reads cache rows below position + n,
+        // which the host checked against max_context; smem is the kernel's tiles for head_dim,
+        // within the MAX_DYNAMIC_SHARED_BYTES set for it at start-up (see the test below).
+        unsafe {
+            self.launch(
+                "attention_prefill",
+                &self.k.attention_prefill,
+                cfg(
+                    c.num_attention_heads as u32,
+                    tiles,
+                    ATTENTION_PREFILL_THREADS,
+                    smem,
+                ),
+                &mut [
+                    arg(dims),
+                    arg(&b.q),
+                    arg(&b.k_cache),
+                    arg(&b.v_cache),
+                    arg(&b.position),
+                    arg(&b.proj),
+                    arg(&n32),
+                    arg(&b.out),
+                ],
+            )
         }
     }
 
@@ -565,6 +597,17 @@ impl CudaBackend {
     }
 }
 
+/// Dynamic shared memory of `attention_prefill`: its query, key and value tiles in bf16, rows of
+/// head_dim rounded up to an instantiated width (32, 64, 128 or 256; construction checks that
+/// head_dim is at most 256) plus 8 values of padding.
+fn attention_prefill_smem(head_dim: usize) -> u32 {
+    let width = [32, 64, 128, 256]
+        .into_iter()
+        .find(|&w| head_dim <= w)
+        .unwrap_or(256);
+    ((ATTENTION_QUERY_TILE + 2 * ATTENTION_KEY_TILE) * (width + 8) * 2) as u32
+}
+
 /// Whether `deltanet_scan` holds the model's heads: a lane keeps 4 of at most 128 key rows, a warp
 /// 4 value columns.
 fn scan_fits(c: &ModelConfig) -> bool {
@@ -653,5 +696,24 @@ impl CudaBackend {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::MAX_DYNAMIC_SHARED_BYTES;
+    use super::*;
+
+    #[test]
+    fn attention_prefill_tiles_fit_two_blocks_per_sm() {
+        // head_dim 256: Q, K and V tiles of 64 rows of 256 + 8 bf16.
+        let full = attention_prefill_smem(256) as usize;
+        assert_eq!(full, 3 * 64 * 264 * 2);
+        assert!(full <= MAX_DYNAMIC_SHARED_BYTES);
+        // An H200 SM has 228 KB of shared memory, 1 KB of it reserved per block.
+        assert!(2 * (full + 1024) <= 228 * 1024);
+        // Other widths round up to an instantiated one.
+        assert_eq!(attention_prefill_smem(32), 3 * 64 * 40 * 2);
+        assert_eq!(attention_prefill_smem(96), attention_prefill_smem(128));
     }
 }

@@ -261,3 +261,288 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(AttentionDim
     const float gate = proj[(size_t)head * 2 * hd + hd + i];
     out[(size_t)head * hd + i] = acc / l * sigmoid(gate);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prefill: causal flash attention on tensor cores.
+//
+// A block owns PREFILL_QUERY_TILE consecutive query tokens of one query head (4 warps, 16 rows
+// each) and walks the key positions 0 .. position of its last token, PREFILL_KEY_TILE at a time,
+// with an online softmax in f32. Scores S = Q K^T and the output O += P V are mma.sync m16n8k16
+// products (bf16 in, f32 accumulate); Q is rounded from f32 to bf16 once, K and V come from the
+// bf16 cache. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"), g = lane / 4,
+// c = lane % 4:
+//   A (16x16, row-major): reg 0 = (row g, cols 2c, 2c+1), reg 1 = (row g+8, same cols),
+//                         reg 2 = (row g, cols 2c+8, 2c+9), reg 3 = (row g+8, cols 2c+8, 2c+9);
+//   B (16x8, col-major):  reg 0 = (k 2c, 2c+1; n g), reg 1 = (k 2c+8, 2c+9; n g);
+//   C (16x8, f32):        c0, c1 = (row g, cols 2c, 2c+1), c2, c3 = (row g+8, same cols).
+// So a thread holds rows g and g+8 of its warp's 16 query rows throughout, and the S fragments
+// of two neighbouring 8-key tiles are, packed to bf16, the A fragment of P for those 16 keys.
+// Shared memory holds one tile each of Q, K and V ([64][head_dim + PREFILL_ROW_PAD] bf16): the
+// next key tile is copied (cp.async) while P V runs, the value tile while Q K^T runs.
+
+#define PREFILL_QUERY_TILE 64  // query tokens per block: 4 warps of 16 rows
+#define PREFILL_KEY_TILE 64    // key positions per step
+#define PREFILL_THREADS 128
+#define PREFILL_ROW_PAD 8  // bf16 after each shared row: the 8 rows one ldmatrix reads fall in distinct banks
+
+// D += A B for one m16n8k16 tile, bf16 inputs, f32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 bf16 matrices from shared memory: lanes 8i .. 8i + 7 give the addresses of matrix i's
+// rows; register i receives matrix i with lane l holding (row l / 4, cols 2 (l % 4), +1), or with
+// `.trans` (rows 2 (l % 4), +1; col l / 4).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// Copies 16 bytes from global to shared memory asynchronously; writes zeros instead (reading
+// nothing) when !valid.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits for every cp.async this thread issued (other threads' copies need a __syncthreads after).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Two floats as a bf16 pair, `lo` in the low half (the lower column of an mma fragment).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Starts copying cache rows [first, first + PREFILL_KEY_TILE) of one KV head (`cache` points to
+// the head's first row, rows `row_stride` apart, `hd` values used of each) into the shared tile
+// at `tile` (rows of D values, hd <= D); rows at or past `end` and columns past hd become zeros
+// (never read from the cache: such rows may lie past its end).
+template <int D>
+__device__ __forceinline__ void prefill_stage_keys(uint32_t tile, const bf16* cache, size_t row_stride, int hd,
+                                                   int first, int end) {
+    constexpr int CHUNKS = D / 8;  // 16-byte pieces per row
+    static_assert(PREFILL_KEY_TILE * CHUNKS % PREFILL_THREADS == 0, "whole rounds of copies");
+    // Partly unrolled: fully unrolled, the compiler keeps every copy's addresses live across the
+    // main loop and runs out of registers at D = 256.
+#pragma unroll 4
+    for (int j = 0; j < PREFILL_KEY_TILE * CHUNKS / PREFILL_THREADS; ++j) {
+        const int i = threadIdx.x + j * PREFILL_THREADS, row = i / CHUNKS, chunk = i % CHUNKS;
+        const bool valid = first + row < end && chunk * 8 < hd;
+        const bf16* src = valid ? cache + (size_t)(first + row) * row_stride + chunk * 8 : cache;
+        cp_async_16(tile + (uint32_t)(row * (D + PREFILL_ROW_PAD) + chunk * 8) * 2, src, valid);
+    }
+}
+
+// Block (query head, query tile), PREFILL_THREADS threads. Query tiles run in reverse order of
+// blockIdx.y, so the tiles with the most keys start first. out[t, head] = softmax over keys
+// 0 ..= position[0] + t of (q[t, head] . k / sqrt(head_dim)) . v, times sigmoid of the gate half
+// of proj's row t, for the tile's tokens t < tokens (as attention_combine writes it).
+// D: head_dim rounded up to an instantiated width; the columns past head_dim are zeros in the
+// shared tiles and not written out. Dynamic shared memory: 3 * 64 * (D + PREFILL_ROW_PAD) bf16
+// (the Q, K and V tiles).
+template <int D>
+__device__ void attention_prefill_impl(const AttentionDims& d, const float* q, const bf16* k_cache,
+                                       const bf16* v_cache, const int* position, const float* proj, int tokens,
+                                       float* out) {
+    static_assert(D % 16 == 0 && PREFILL_QUERY_TILE == 16 * (PREFILL_THREADS / 32) && PREFILL_KEY_TILE % 16 == 0,
+                  "16-wide slices; a warp per 16 query rows");
+    constexpr int STRIDE = D + PREFILL_ROW_PAD;                  // bf16 per shared row
+    constexpr uint32_t TILE_BYTES = PREFILL_KEY_TILE * STRIDE * 2;  // the Q tile has as many rows
+    constexpr int KEY_NTILES = PREFILL_KEY_TILE / 8;              // 8-key S tiles per step
+    extern __shared__ __align__(16) bf16 prefill_tiles[];
+    wait_for_previous_kernel();
+    const int hd = d.head_dim;
+    const int head = blockIdx.x, kvh = head / (d.heads / d.kv_heads);
+    const int tile0 = (gridDim.y - 1 - blockIdx.y) * PREFILL_QUERY_TILE;
+    const int rows = min(PREFILL_QUERY_TILE, tokens - tile0);  // the tile's tokens, at least 1
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    // Token t of the chunk sits at position p0 + t and sees keys 0 ..= p0 + t.
+    const int p0 = position[0];
+    const int key_end = p0 + tile0 + rows;
+    const uint32_t q_tile = shared_address(prefill_tiles), k_tile = q_tile + TILE_BYTES, v_tile = k_tile + TILE_BYTES;
+    const size_t kv_stride = (size_t)d.kv_heads * hd;
+    k_cache += (size_t)kvh * hd;
+    v_cache += (size_t)kvh * hd;
+
+    prefill_stage_keys<D>(k_tile, k_cache, kv_stride, hd, 0, key_end);
+    cp_async_commit();
+    // Q tile to bf16 (rows past the chunk and columns past hd zero); made visible by the first
+    // loop's barrier.
+    {
+        constexpr int QUADS = D / 4;  // float4s per row
+#pragma unroll 4
+        for (int i = threadIdx.x; i < PREFILL_QUERY_TILE * QUADS; i += PREFILL_THREADS) {
+            const int row = i / QUADS, quad = i % QUADS;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (row < rows && quad * 4 < hd)
+                v = *reinterpret_cast<const float4*>(q + ((size_t)(tile0 + row) * d.heads + head) * hd + quad * 4);
+            *reinterpret_cast<uint2*>(prefill_tiles + row * STRIDE + quad * 4) =
+                make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+        }
+    }
+
+    // This thread's rows: warp * 16 + g (index 0) and + 8 (index 1). Rows past the chunk take the
+    // last token's limit, so that their (unwritten) results stay finite.
+    const int row_lo = warp * 16 + g;
+    const int limit[2] = {p0 + tile0 + min(row_lo, rows - 1), p0 + tile0 + min(row_lo + 8, rows - 1)};
+    // Key tiles starting past the warp's last limit are masked out for all its rows: skipped.
+    const bool warp_has_rows = warp * 16 < rows;
+    const int warp_limit = p0 + tile0 + min(warp * 16 + 15, rows - 1);
+    // Exponentials in base 2: exp(x / sqrt(hd)) = exp2(x * scale_log2).
+    const float scale_log2 = rsqrtf((float)hd) * 1.4426950408889634f;
+    // ldmatrix row addresses of this lane. Q (A operand), matrices (rows 0-7 | 8-15) x (cols 0-7 |
+    // 8-15) in the order of the A registers; K (B operand, keys along n), matrices (keys 0-7,
+    // dims 0-7 | 8-15), then keys 8-15: registers 0, 1 are B of the first 8 keys, 2, 3 of the
+    // next; V (B operand, keys along k, transposed), matrices (keys 0-7 | 8-15) of dims 0-7, then
+    // of dims 8-15: registers 0, 1 are B of the first 8 dims, 2, 3 of the next.
+    const int m = lane >> 3, r8 = lane & 7;
+    const uint32_t q_lane = q_tile + (uint32_t)((warp * 16 + r8 + (m & 1) * 8) * STRIDE + (m >> 1) * 8) * 2;
+    const uint32_t k_lane = k_tile + (uint32_t)((r8 + (m >> 1) * 8) * STRIDE + (m & 1) * 8) * 2;
+    const uint32_t v_lane = v_tile + (uint32_t)((r8 + (m & 1) * 8) * STRIDE + (m >> 1) * 8) * 2;
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float row_max[2] = {-INFINITY, -INFINITY};  // raw scores (before the 1/sqrt(hd) scale)
+    float row_sum[2] = {0.0f, 0.0f};            // this thread's columns only, summed over the quad at the end
+    uint32_t p[PREFILL_KEY_TILE / 16][4];        // P of the step as A fragments, 16 keys each
+
+    const int key_tiles = (key_end + PREFILL_KEY_TILE - 1) / PREFILL_KEY_TILE;
+    for (int kt = 0; kt < key_tiles; ++kt) {
+        const int first = kt * PREFILL_KEY_TILE;
+        const bool active = warp_has_rows && first <= warp_limit;  // warp-uniform
+        cp_async_wait_all();
+        __syncthreads();  // K tile kt (and at kt = 0 the Q tile) in place; every warp done with V tile kt - 1
+        prefill_stage_keys<D>(v_tile, v_cache, kv_stride, hd, first, key_end);
+        cp_async_commit();
+        if (active) {
+            float s[KEY_NTILES][4];
+#pragma unroll
+            for (int n = 0; n < KEY_NTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                uint32_t a[4];
+                ldmatrix_x4(a, q_lane + ks * 32);
+#pragma unroll
+                for (int n = 0; n < KEY_NTILES; n += 2) {
+                    uint32_t b[4];
+                    ldmatrix_x4(b, k_lane + (uint32_t)(n * 8 * STRIDE + ks * 16) * 2);
+                    mma_bf16_16816(s[n], a, b[0], b[1]);
+                    mma_bf16_16816(s[n + 1], a, b[2], b[3]);
+                }
+            }
+            // Causal mask (also covers keys past key_end) where some key may pass the tile's first limit.
+            if (first + PREFILL_KEY_TILE - 1 > p0 + tile0) {
+#pragma unroll
+                for (int n = 0; n < KEY_NTILES; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (first + n * 8 + 2 * c + (e & 1) > limit[e >> 1]) s[n][e] = -INFINITY;
+            }
+            // Online softmax. Key 0 lies in the first tile and is seen by every row, so the new
+            // maximum is finite from the first step on.
+            float new_max[2] = {row_max[0], row_max[1]};
+#pragma unroll
+            for (int n = 0; n < KEY_NTILES; ++n) {
+                new_max[0] = fmaxf(new_max[0], fmaxf(s[n][0], s[n][1]));
+                new_max[1] = fmaxf(new_max[1], fmaxf(s[n][2], s[n][3]));
+            }
+            float correction[2], offset[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                new_max[h] = fmaxf(new_max[h], __shfl_xor_sync(0xffffffffu, new_max[h], 1));
+                new_max[h] = fmaxf(new_max[h], __shfl_xor_sync(0xffffffffu, new_max[h], 2));
+                correction[h] = exp2f((row_max[h] - new_max[h]) * scale_log2);  // 0 on the first step
+                row_max[h] = new_max[h];
+                offset[h] = new_max[h] * scale_log2;
+                row_sum[h] *= correction[h];
+            }
+#pragma unroll
+            for (int n = 0; n < KEY_NTILES; ++n) {
+                const float e0 = exp2f(fmaf(s[n][0], scale_log2, -offset[0]));
+                const float e1 = exp2f(fmaf(s[n][1], scale_log2, -offset[0]));
+                const float e2 = exp2f(fmaf(s[n][2], scale_log2, -offset[1]));
+                const float e3 = exp2f(fmaf(s[n][3], scale_log2, -offset[1]));
+                row_sum[0] += e0 + e1;
+                row_sum[1] += e2 + e3;
+                // S tile n is keys 8n .. 8n + 7: the low (n even) or high (n odd) 8 columns of P's
+                // A fragment for keys 16 (n / 2) .. + 15.
+                p[n / 2][(n & 1) * 2] = pack_bf16(e0, e1);
+                p[n / 2][(n & 1) * 2 + 1] = pack_bf16(e2, e3);
+            }
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                o[i][0] *= correction[0];
+                o[i][1] *= correction[0];
+                o[i][2] *= correction[1];
+                o[i][3] *= correction[1];
+            }
+        }
+        cp_async_wait_all();
+        __syncthreads();  // V tile kt in place; every warp done with K tile kt
+        if (kt + 1 < key_tiles) {
+            prefill_stage_keys<D>(k_tile, k_cache, kv_stride, hd, first + PREFILL_KEY_TILE, key_end);
+            cp_async_commit();
+        }
+        if (active) {
+#pragma unroll
+            for (int j = 0; j < PREFILL_KEY_TILE / 16; ++j)
+#pragma unroll
+                for (int i = 0; i < D / 8; i += 2) {
+                    uint32_t b[4];
+                    ldmatrix_x4_trans(b, v_lane + (uint32_t)(j * 16 * STRIDE + i * 8) * 2);
+                    mma_bf16_16816(o[i], p[j], b[0], b[1]);
+                    mma_bf16_16816(o[i + 1], p[j], b[2], b[3]);
+                }
+        }
+    }
+
+    const int width = attention_proj_width(d);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float sum = row_sum[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int row = row_lo + 8 * h;
+        if (row >= rows) continue;
+        const int t = tile0 + row;
+        const float* gate = proj + (size_t)t * width + (size_t)head * 2 * hd + hd;
+        float* dst = out + ((size_t)t * d.heads + head) * hd;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            const int col = i * 8 + 2 * c;
+            if (col >= hd) break;  // hd is a multiple of 8: col + 1 < hd too
+            const float2 gv = *reinterpret_cast<const float2*>(gate + col);
+            *reinterpret_cast<float2*>(dst + col) =
+                make_float2(o[i][2 * h] / sum * sigmoid(gv.x), o[i][2 * h + 1] / sum * sigmoid(gv.y));
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) attention_prefill(AttentionDims d, const float* q,
+                                                                               const bf16* k_cache,
+                                                                               const bf16* v_cache,
+                                                                               const int* position,
+                                                                               const float* proj, int tokens,
+                                                                               float* out) {
+    // head_dim: a multiple of 8 (16-byte copies of cache rows), at most 256; the backend takes
+    // multiples of 32.
+    if (d.head_dim <= 32) attention_prefill_impl<32>(d, q, k_cache, v_cache, position, proj, tokens, out);
+    else if (d.head_dim <= 64) attention_prefill_impl<64>(d, q, k_cache, v_cache, position, proj, tokens, out);
+    else if (d.head_dim <= 128) attention_prefill_impl<128>(d, q, k_cache, v_cache, position, proj, tokens, out);
+    else attention_prefill_impl<256>(d, q, k_cache, v_cache, position, proj, tokens, out);
+}
