@@ -7,20 +7,23 @@ use super::weights::{DeviceWeight, ptr};
 use super::{CudaBackend, arg, cfg};
 use crate::model::{Matrix, Storage};
 
-/// Weight rows and tokens one `gemm_q` block covers, its threads and its pipeline stages
-/// (GEMM_ROWS, GEMM_TOKENS, GEMM_THREADS, GEMM_STAGES in gemm.cu).
+/// Weight rows one block covers, tokens per block of a dense and of a grouped product, threads
+/// and pipeline stages (GEMM_ROWS, GEMM_DENSE_TOKENS, GEMM_GROUP_TOKENS, GEMM_THREADS,
+/// GEMM_STAGES in gemm.cu).
 pub(super) const GEMM_ROWS: usize = 128;
-const GEMM_TOKENS: usize = 64;
+const GEMM_DENSE_TOKENS: usize = 128;
+pub(super) const GEMM_GROUP_TOKENS: usize = 64;
 pub(super) const GEMM_THREADS: u32 = 128;
 const GEMM_STAGES: usize = 4;
 /// Inputs per pipeline stage (GEMM_K).
 const GEMM_K: usize = 64;
 
-/// Dynamic shared memory of `gemm_q` and `gemm_q_grouped` for `bits`-bit weights: the stages'
-/// weight rows, token rows, and the words holding each row's scales and biases.
-pub(super) fn gemm_smem_bytes(bits: usize) -> u32 {
+/// Dynamic shared memory of `gemm_q` and `gemm_q_grouped` for `bits`-bit weights and `tokens`
+/// per block: the stages' weight rows, token rows, and the words holding each row's scales and
+/// biases.
+pub(super) fn gemm_smem_bytes(bits: usize, tokens: usize) -> u32 {
     let weights = GEMM_ROWS * GEMM_K * bits / 8;
-    let inputs = GEMM_TOKENS * GEMM_K * 2;
+    let inputs = tokens * GEMM_K * 2;
     let scales_biases = GEMM_ROWS * 2 * 2 * 4;
     (GEMM_STAGES * (weights + inputs + scales_biases)) as u32
 }
@@ -116,10 +119,10 @@ impl CudaBackend {
                 "gemm_q",
                 &self.k.gemm_q,
                 cfg(
-                    n.div_ceil(GEMM_TOKENS) as u32,
+                    n.div_ceil(GEMM_DENSE_TOKENS) as u32,
                     w.rows.div_ceil(GEMM_ROWS) as u32,
                     GEMM_THREADS,
-                    gemm_smem_bytes(w.bits),
+                    gemm_smem_bytes(w.bits, GEMM_DENSE_TOKENS),
                 ),
                 &mut [
                     arg(&desc),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::gemm::{GEMM_ROWS, GEMM_THREADS, gemm_smem_bytes, on_tensor_cores};
+use super::gemm::{GEMM_GROUP_TOKENS, GEMM_ROWS, GEMM_THREADS, gemm_smem_bytes, on_tensor_cores};
 use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
@@ -28,8 +28,8 @@ const ATTENTION_QUERY_TILE: usize = 64;
 const ATTENTION_KEY_TILE: usize = 64;
 /// Threads of an `attention_prefill` block (PREFILL_THREADS: a warp per 16 query rows).
 const ATTENTION_PREFILL_THREADS: u32 = 128;
-/// Assignments per tile of the grouped MoE product (GROUP_TILE in moe.cu).
-const GROUP_TILE: usize = 64;
+/// Assignments per tile of the grouped MoE product (GROUP_TILE in moe.cu): one block's tokens.
+const GROUP_TILE: usize = GEMM_GROUP_TOKENS;
 
 /// Activations of one prefill chunk, row per token.
 pub(super) struct PrefillScratch {
@@ -477,7 +477,7 @@ impl CudaBackend {
                 tiles_max,
                 rows.div_ceil(GEMM_ROWS) as u32,
                 GEMM_THREADS,
-                gemm_smem_bytes(w[0].bits),
+                gemm_smem_bytes(w[0].bits, GEMM_GROUP_TOKENS),
             );
             launch.grid_dim.2 = z;
             // SAFETY: tiles and order come from moe_group; y holds a row per assignment.

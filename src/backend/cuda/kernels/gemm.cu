@@ -14,7 +14,8 @@
 // accumulate in f32 and the epilogue multiplies s back.
 
 #define GEMM_ROWS 128    // weight rows per block: two 64-row halves
-#define GEMM_TOKENS 64   // tokens per block (the N of the products)
+#define GEMM_DENSE_TOKENS 128 // tokens per block of a dense product (the N of the products)
+#define GEMM_GROUP_TOKENS 64  // tokens per block of a grouped (MoE) product: an expert's tile
 #define GEMM_THREADS 128 // one warpgroup
 #define GEMM_K 64        // inputs per pipeline stage
 #define GEMM_STAGES 4    // stages in dynamic shared memory: three loads in flight while one is multiplied
@@ -110,6 +111,16 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint32_t a0, uint
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
 }
+// As wgmma_64x64x16 for 128 tokens.
+__device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
 // Orders this thread's register writes before the next wgmma reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -130,92 +141,93 @@ __device__ __forceinline__ uint64_t smem_desc(const void* smem, uint32_t lead, u
            ((uint64_t)((stride >> 4) & 0x3FFF) << 32);
 }
 
-// One pipeline stage: the block's 128 weight rows and 64 token rows over GEMM_K inputs. A row's
-// GEMM_K inputs are BITS / 2 chunks of 16 bytes (32 4-bit or 16 8-bit inputs each). The tokens'
-// inputs are laid out as the tensor cores read B: x[k block][token] holds inputs 8 kb .. 8 kb + 7
-// of a token, so each 8 tokens x 8 inputs core matrix is 128 contiguous bytes, core matrices
-// 128 bytes apart along the tokens and GEMM_TOKENS * 16 bytes apart along the inputs.
-template <int BITS>
+// One pipeline stage: the block's 128 weight rows and TOKENS token rows over GEMM_K inputs. A
+// row's GEMM_K inputs are BITS / 2 chunks of 16 bytes (32 4-bit or 16 8-bit inputs each). The
+// tokens' inputs are laid out as the tensor cores read B: x[k block][token] holds inputs
+// 8 kb .. 8 kb + 7 of a token, so each 8 tokens x 8 inputs core matrix is 128 contiguous bytes,
+// core matrices 128 bytes apart along the tokens and TOKENS * 16 bytes apart along the inputs.
+template <int BITS, int TOKENS>
 struct GemmStage {
     uint4 w[GEMM_ROWS][BITS / 2];
-    uint4 x[GEMM_K / 8][GEMM_TOKENS];
+    uint4 x[GEMM_K / 8][TOKENS];
     // Per row and 32-input half: the words holding its group's scale and bias.
     uint32_t scale_bias[GEMM_ROWS][2][2];
 };
 
+// The warpgroup product D (64 rows x TOKENS tokens, f32) += A (64 rows x 16 inputs in registers)
+// x B (16 inputs x TOKENS tokens in shared memory).
+template <int TOKENS>
+__device__ __forceinline__ void wgmma_tile(float (&d)[TOKENS / 2], const uint32_t (&a)[4], uint64_t desc);
+template <>
+__device__ __forceinline__ void wgmma_tile<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+    wgmma_64x64x16(d, a[0], a[1], a[2], a[3], desc);
+}
+template <>
+__device__ __forceinline__ void wgmma_tile<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+    wgmma_64x128x16(d, a[0], a[1], a[2], a[3], desc);
+}
+
 // y[out_row(i), r] (+)= sum_k x16[in_row(i), k] w[row_base + r, k] * xscale[in_row(i)] for the
-// block's 128 rows r from row_block * 128 (below `rows`) and the tile's tokens; y rows are `rows`
-// floats wide. The grids put the token tiles along x, so the blocks that share a row block run
-// together and read its weights from DRAM once.
+// block's 128 rows r from row_block * 128 (below `rows`) and the tile's tokens (at most TOKENS);
+// y rows are `rows` floats wide. The grids put the token tiles along x, so the blocks that share
+// a row block run together and read its weights from DRAM once.
 //
-// Weights and inputs stream through GEMM_STAGES stages of dynamic shared memory with cp.async
-// (out-of-range rows clamped, inputs past K zero-filled). The block is one warpgroup: per 16
-// inputs, warp w dequantises its rows 16w .. 16w + 15 of both 64-row halves into registers and
-// the warpgroup issues two asynchronous 64x64x16 products, which run while the next 16 inputs
-// are dequantised. Each stage also brings its rows' scales and biases (the words holding them).
-template <int BITS>
+// Weights, inputs and the words holding the rows' scales and biases stream through GEMM_STAGES
+// stages of dynamic shared memory with cp.async (out-of-range rows and tokens clamped, inputs
+// past K zero-filled). The block is one warpgroup: per 16 inputs, warp w dequantises its rows
+// 16w .. 16w + 15 of both 64-row halves into registers and the warpgroup issues two asynchronous
+// 64 x TOKENS x 16 products, which run while the next 16 inputs are dequantised. Dequantising
+// costs the same whatever TOKENS is, so dense products (many tokens) take 128 per block.
+template <int BITS, int TOKENS>
 __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int rows, int row_block,
                                           const TokenTile& tile, const __half* x16, const float* xscale, float* y,
                                           int accumulate) {
-    constexpr int CHUNKS = BITS / 2;         // 16-byte chunks of a row per stage
-    constexpr int PER_CHUNK = 128 / BITS;    // inputs per chunk
+    constexpr int CHUNKS = BITS / 2;                           // 16-byte chunks of a row per stage
+    constexpr int PER_CHUNK = 128 / BITS;                      // inputs per chunk
+    constexpr int W_COPIES = GEMM_ROWS * CHUNKS / GEMM_THREADS;  // per thread and stage
+    constexpr int X_COPIES = TOKENS * 8 / GEMM_THREADS;
+    constexpr int SB_COPIES = GEMM_ROWS * 4 / GEMM_THREADS;
+    using Stage = GemmStage<BITS, TOKENS>;
     extern __shared__ __align__(16) uint4 gemm_smem[];
-    GemmStage<BITS>* stages = reinterpret_cast<GemmStage<BITS>*>(gemm_smem);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    Stage* stages = reinterpret_cast<Stage*>(gemm_smem);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int K = w.cols, row_chunks = K / PER_CHUNK, groups = K >> w.group_shift;
     const int steps = (K + GEMM_K - 1) / GEMM_K;
     const uint4* wdata = reinterpret_cast<const uint4*>(w.data);
+    const int first_row = row_base + row_block * GEMM_ROWS, last_row = row_base + rows - 1;
 
-    // Copies of this thread per stage: CHUNKS weight chunks, 4 input chunks and 4 scale or bias
-    // words (row q / 4, half (q / 2) % 2, scale or bias q % 2).
-    const uint4* wsrc[CHUNKS];
-    int wdst_row[CHUNKS], wdst_chunk[CHUNKS];
+    // This thread's copies per stage. Copy i of a kind is number q = tid + i * GEMM_THREADS:
+    // weights row q / CHUNKS, chunk q % CHUNKS; inputs token q / 8, k block q % 8; scale or bias
+    // words row q / 4, half (q / 2) % 2, scale (q even) or bias. Only the row or token changes
+    // with i.
+    const int w_chunk = tid % CHUNKS, x_block = tid & 7, sb_half = (tid >> 1) & 1;
+    const bf16* sb_base = (tid & 1) ? w.biases : w.scales;
+    int x_rows[X_COPIES];
 #pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-        const int q = threadIdx.x + i * GEMM_THREADS;
-        wdst_row[i] = q / CHUNKS;
-        wdst_chunk[i] = q % CHUNKS;
-        const size_t r = row_base + min(row_block * GEMM_ROWS + wdst_row[i], rows - 1);
-        wsrc[i] = wdata + r * row_chunks + wdst_chunk[i];
-    }
-    const __half* xsrc[4];
-    int xdst_tok[4], xdst_part[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int q = threadIdx.x + i * GEMM_THREADS;
-        xdst_tok[i] = q >> 3;
-        xdst_part[i] = q & 7;
-        const int t = min(xdst_tok[i], tile.count - 1);
-        xsrc[i] = x16 + (size_t)tile.in_row(t) * K + 8 * xdst_part[i];
-    }
-    const bf16* sbsrc[4];
-    int sb_half[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int q = threadIdx.x + i * GEMM_THREADS;
-        sb_half[i] = (q >> 1) & 1;
-        const size_t r = row_base + min(row_block * GEMM_ROWS + (q >> 2), rows - 1);
-        sbsrc[i] = ((q & 1) ? w.biases : w.scales) + r * groups;
-    }
+    for (int i = 0; i < X_COPIES; ++i) x_rows[i] = tile.in_row(min((tid >> 3) + i * (GEMM_THREADS / 8), tile.count - 1));
     auto issue = [&](int stage, int step) {
-        GemmStage<BITS>& st = stages[stage];
+        Stage& st = stages[stage];
         const int k0 = step * GEMM_K;
+        const int grp = min((k0 + 32 * sb_half) >> w.group_shift, groups - 1);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int q = threadIdx.x + i * GEMM_THREADS;
-            const int grp = min((k0 + 32 * sb_half[i]) >> w.group_shift, groups - 1);
-            cp_async_word(&st.scale_bias[q >> 2][sb_half[i]][q & 1], sbsrc[i] + grp);
+        for (int i = 0; i < SB_COPIES; ++i) {
+            const int row = (tid >> 2) + i * (GEMM_THREADS / 4);
+            const size_t r = min(first_row + row, last_row);
+            cp_async_word(&st.scale_bias[row][sb_half][tid & 1], sb_base + r * groups + grp);
         }
+        const bool w_valid = k0 + PER_CHUNK * w_chunk < K;
 #pragma unroll
-        for (int i = 0; i < CHUNKS; ++i) {
-            const bool valid = k0 + PER_CHUNK * wdst_chunk[i] < K;
-            cp_async_16(&st.w[wdst_row[i]][wdst_chunk[i]], valid ? wsrc[i] + CHUNKS * step : wdata, valid);
+        for (int i = 0; i < W_COPIES; ++i) {
+            const int row = tid / CHUNKS + i * (GEMM_THREADS / CHUNKS);
+            const size_t r = min(first_row + row, last_row);
+            cp_async_16(&st.w[row][w_chunk], w_valid ? wdata + r * row_chunks + CHUNKS * step + w_chunk : wdata, w_valid);
         }
+        const bool x_valid = k0 + 8 * x_block < K;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const bool valid = k0 + 8 * xdst_part[i] < K;
-            cp_async_16(&st.x[xdst_part[i]][xdst_tok[i]], valid ? xsrc[i] + k0 : x16, valid);
+        for (int i = 0; i < X_COPIES; ++i) {
+            const int token = (tid >> 3) + i * (GEMM_THREADS / 8);
+            cp_async_16(&st.x[x_block][token], x_valid ? x16 + (size_t)x_rows[i] * K + k0 + 8 * x_block : x16, x_valid);
         }
     };
 
@@ -226,13 +238,13 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const size_t r = row_base + min(row_block * GEMM_ROWS + 64 * m + 16 * warp + 8 * h + g, rows - 1);
+            const size_t r = min(first_row + 64 * m + 16 * warp + 8 * h + g, last_row);
             row_parity[m][h] = (int)((r * groups) & 1);
         }
 
     // The lane's shift within a word: its nibble pair (4-bit) or byte pair (8-bit).
     const int shift = BITS == 4 ? 4 * c : 8 * (c & 1);
-    float acc[2][32] = {};
+    float acc[2][TOKENS / 2] = {};
 
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; ++s) {
@@ -246,7 +258,8 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         const int ahead = step + GEMM_STAGES - 1;
         if (ahead < steps) issue(ahead % GEMM_STAGES, ahead);
         cp_async_commit();
-        const GemmStage<BITS>& st = stages[step % GEMM_STAGES];
+
+        const Stage& st = stages[step % GEMM_STAGES];
         __half2 scale[2][2][2], bias[2][2][2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -263,7 +276,6 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
                     bias[m][h][hh] = __float2half2_rn(bf16_to_f32((uint16_t)bw));
                 }
         }
-
         // Step j covers inputs 16j .. 16j + 15 of the stage: for 4-bit, words 2 (j % 2) and
         // 2 (j % 2) + 1 of chunk j / 2 (8 inputs each); for 8-bit, words c / 2 and 2 + c / 2 of
         // chunk j (4 inputs each). A registers alternate between two sets, so that step j's can
@@ -290,10 +302,10 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
                 aj[m][3] = dequant_pair<BITS>(u1 >> shift, scale[m][1][hh], bias[m][1][hh]);
             }
             // Inputs 16j .. 16j + 15 are k blocks 2j and 2j + 1.
-            const uint64_t desc = smem_desc(&st.x[2 * j][0], GEMM_TOKENS * 16, 128);
+            const uint64_t desc = smem_desc(&st.x[2 * j][0], TOKENS * 16, 128);
             wgmma_fence();
 #pragma unroll
-            for (int m = 0; m < 2; ++m) wgmma_64x64x16(acc[m], aj[m][0], aj[m][1], aj[m][2], aj[m][3], desc);
+            for (int m = 0; m < 2; ++m) wgmma_tile<TOKENS>(acc[m], aj[m], desc);
             wgmma_commit();
             // Step j - 1's products are done, so its A registers may be rewritten at step j + 1.
             wgmma_wait<1>();
@@ -308,7 +320,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
+        for (int i = 0; i < TOKENS / 2; ++i) {
             const int r = row_block * GEMM_ROWS + 64 * m + 16 * warp + g + ((i & 2) ? 8 : 0);
             const int t = 8 * (i >> 2) + 2 * c + (i & 1);
             if (r >= rows || t >= tile.count) continue;
@@ -319,34 +331,36 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
 }
 
 // gemm_tile for the weight's width (4 or 8 bits; the host sends nothing else).
+template <int TOKENS>
 __device__ __forceinline__ void gemm_tile_bits(const Weight& w, int row_base, int rows, int row_block,
                                                const TokenTile& tile, const __half* x16, const float* xscale,
                                                float* y, int accumulate) {
     if (w.bits == 8)
-        gemm_tile<8>(w, row_base, rows, row_block, tile, x16, xscale, y, accumulate);
+        gemm_tile<8, TOKENS>(w, row_base, rows, row_block, tile, x16, xscale, y, accumulate);
     else
-        gemm_tile<4>(w, row_base, rows, row_block, tile, x16, xscale, y, accumulate);
+        gemm_tile<4, TOKENS>(w, row_base, rows, row_block, tile, x16, xscale, y, accumulate);
 }
 
 // y[t, n] = sum_k x[t, k] w[n, k] (added to y when `accumulate`), y row-major [tokens, w.rows];
-// x16 and xscale from rows_to_half. w: 4- or 8-bit, group size >= 32. Grid: (ceil(tokens / 64),
-// ceil(rows / 128)), GEMM_THREADS threads, gemm_smem_bytes(bits) of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 3) gemm_q(Weight w, const __half* x16, const float* xscale,
+// x16 and xscale from rows_to_half. w: 4- or 8-bit, group size >= 32. Grid: (ceil(tokens /
+// GEMM_DENSE_TOKENS), ceil(rows / 128)), GEMM_THREADS threads, gemm_smem_bytes(bits,
+// GEMM_DENSE_TOKENS) of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_q(Weight w, const __half* x16, const float* xscale,
                                                                  int tokens, float* y, int accumulate) {
     wait_for_previous_kernel();
-    const int start = blockIdx.x * GEMM_TOKENS;
-    const TokenTile tile = {start, min(GEMM_TOKENS, tokens - start), nullptr, 1};
-    gemm_tile_bits(w, 0, w.rows, blockIdx.y, tile, x16, xscale, y, accumulate);
+    const int start = blockIdx.x * GEMM_DENSE_TOKENS;
+    const TokenTile tile = {start, min(GEMM_DENSE_TOKENS, tokens - start), nullptr, 1};
+    gemm_tile_bits<GEMM_DENSE_TOKENS>(w, 0, w.rows, blockIdx.y, tile, x16, xscale, y, accumulate);
 }
 
 // The MoE experts' products over their tokens: w stacks the experts' matrices
 // [experts * rows_per_expert, cols]; tile blockIdx.x of `tiles` (expert, start, count in
-// `order`, at most 64 tokens; tiles beyond tile_count[0] exit) multiplies that expert's rows by
+// `order`, at most GEMM_GROUP_TOKENS; tiles beyond tile_count[0] exit) multiplies that expert's rows by
 // its assignments' x rows (assignment / in_div) into y rows per assignment
 // ([assignments, rows_per_expert]). Blocks with blockIdx.z == 1 do the same with w2 into y2
 // (the up projection beside the gate one, from the same inputs; same shape and format). Grid: (most tiles,
-// ceil(rows_per_expert / 128), 1 or 2), GEMM_THREADS threads, gemm_smem_bytes(bits) of dynamic
-// shared memory.
+// ceil(rows_per_expert / 128), 1 or 2), GEMM_THREADS threads, gemm_smem_bytes(bits,
+// GEMM_GROUP_TOKENS) of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped(Weight w, Weight w2, int rows_per_expert,
                                                                          const int* tiles, const int* tile_count,
                                                                          const int* order, int in_div,
@@ -363,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped(Weight
     m.data = second ? w2.data : w.data;
     m.scales = second ? w2.scales : w.scales;
     m.biases = second ? w2.biases : w.biases;
-    gemm_tile_bits(m, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, tile, x16, xscale, second ? y2 : y, 0);
+    gemm_tile_bits<GEMM_GROUP_TOKENS>(m, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, tile, x16, xscale, second ? y2 : y, 0);
 }
 
 // act16[a] = (silu(gate[a]) * up[a] * weight) in fp16, scaled and permuted as rows_to_half does,
@@ -409,11 +423,12 @@ extern "C" __global__ void __launch_bounds__(256) add_expert_rows(const float* d
 // shared-memory B (no global memory traffic). The sums go to out only if they equal an
 // impossible value, so the compiler keeps the work. Grid: any, 128 threads.
 extern "C" __global__ void __launch_bounds__(128) wgmma_peak(int iters, float* out) {
-    __shared__ __align__(128) uint4 b[2][GEMM_TOKENS];
-    for (int i = threadIdx.x; i < 2 * GEMM_TOKENS; i += blockDim.x) b[i / GEMM_TOKENS][i % GEMM_TOKENS] = make_uint4(0, 0, 0, 0);
+    __shared__ __align__(128) uint4 b[2][GEMM_GROUP_TOKENS];
+    for (int i = threadIdx.x; i < 2 * GEMM_GROUP_TOKENS; i += blockDim.x)
+        b[i / GEMM_GROUP_TOKENS][i % GEMM_GROUP_TOKENS] = make_uint4(0, 0, 0, 0);
     fence_proxy_async();
     __syncthreads();
-    const uint64_t desc = smem_desc(&b[0][0], GEMM_TOKENS * 16, 128);
+    const uint64_t desc = smem_desc(&b[0][0], GEMM_GROUP_TOKENS * 16, 128);
     const uint32_t a = 0x3c003c00u ^ threadIdx.x;
     float acc[2][32] = {};
     for (int i = 0; i < iters; ++i) {
