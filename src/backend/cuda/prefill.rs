@@ -20,6 +20,9 @@ use super::{
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
 
+/// Token rows up to which a projection runs the decode mat-vec per token instead of the
+/// tensor-core product.
+const MATVEC_MAX_TOKENS: usize = 4;
 /// Rows of logits computed at a time when every position's logits are asked for.
 const LOGITS_ROWS: usize = 128;
 /// Query tokens per `attention_prefill` block (PREFILL_QUERY_TILE in attention.cu).
@@ -338,7 +341,8 @@ impl CudaBackend {
     }
 
     /// y = W · x for `n` token rows (x RMS-normalised by `norm` when given; added to y when
-    /// `accumulate`): on tensor cores for 4-bit weights, else the decode mat-vec per token.
+    /// `accumulate`): on tensor cores for 4- and 8-bit weights and more than MATVEC_MAX_TOKENS
+    /// rows, else the decode mat-vec per token.
     #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
@@ -351,7 +355,9 @@ impl CudaBackend {
         n: usize,
     ) -> Result<()> {
         let s = &self.stream;
-        if on_tensor_cores(w) {
+        // A few rows (the last position's logits, short prompts) read the weights once either
+        // way, and the mat-vec reads them at full bandwidth without padding the token tile.
+        if on_tensor_cores(w) && n > MATVEC_MAX_TOKENS {
             let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
             self.rows_to_half(x, w.cols, norm, w.bits, n, x16, xs)?;
             self.gemm_rows(w, x16, xs, n, y, accumulate)?;
