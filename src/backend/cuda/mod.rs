@@ -266,6 +266,9 @@ struct Kernels {
     deltanet_conv_chunk: CudaFunction,
     deltanet_norm_chunk: CudaFunction,
     deltanet_scan: CudaFunction,
+    deltanet_chunk_prepare: CudaFunction,
+    deltanet_chunk_state: CudaFunction,
+    deltanet_chunk_output: CudaFunction,
     deltanet_gated_norm: CudaFunction,
     attention_prepare: CudaFunction,
     attention_split: CudaFunction,
@@ -472,6 +475,9 @@ impl CudaBackend {
             deltanet_conv_chunk: get("deltanet_conv_chunk")?,
             deltanet_norm_chunk: get("deltanet_norm_chunk")?,
             deltanet_scan: get("deltanet_scan")?,
+            deltanet_chunk_prepare: get("deltanet_chunk_prepare")?,
+            deltanet_chunk_state: get("deltanet_chunk_state")?,
+            deltanet_chunk_output: get("deltanet_chunk_output")?,
             deltanet_gated_norm: get("deltanet_gated_norm")?,
             attention_prepare: get("attention_prepare")?,
             attention_split: get("attention_split")?,
@@ -503,6 +509,8 @@ impl CudaBackend {
             &k.gemm_q,
             &k.gemm_q_grouped,
             &k.attention_prefill,
+            &k.deltanet_chunk_prepare,
+            &k.deltanet_chunk_output,
         ] {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -1514,6 +1522,9 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "deltanet_conv_chunk",
             "deltanet_norm_chunk",
             "deltanet_scan",
+            "deltanet_chunk_prepare",
+            "deltanet_chunk_state",
+            "deltanet_chunk_output",
             "deltanet_gated_norm",
         ],
         "attention" => &[

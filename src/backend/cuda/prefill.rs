@@ -33,6 +33,13 @@ const ATTENTION_KEY_TILE: usize = 64;
 const ATTENTION_PREFILL_THREADS: u32 = 128;
 /// Assignments per tile of the grouped MoE product (GROUP_TILE in moe.cu): one block's tokens.
 const GROUP_TILE: usize = GEMM_GROUP_TOKENS;
+/// Tokens per sub-chunk of the chunkwise DeltaNet recurrence (GDN_CHUNK in deltanet.cu). Its
+/// scratch holds whole sub-chunks.
+const GDN_CHUNK: usize = 64;
+/// Value columns of a head's state per `deltanet_chunk_state` block (GDN_STATE_COLS).
+const GDN_STATE_COLS: usize = 16;
+/// Row stride of the 64 x 64 token tiles in the chunkwise kernels' shared memory (GDN_A_STRIDE).
+const GDN_A_STRIDE: usize = 68;
 
 /// Activations of one prefill chunk, row per token.
 pub(super) struct PrefillScratch {
@@ -59,11 +66,17 @@ pub(super) struct PrefillScratch {
     act16: CudaSlice<u16>,
     actscale: CudaSlice<f32>,
     down_rows: CudaSlice<f32>,
-    /// DeltaNet: the convolved, activated q|k|v of every token, its (beta, decay) per value
+    /// DeltaNet: the convolved, activated q|k|v of every token, its (beta, log decay) per value
     /// head, and the recurrence's output before the gated norm.
     gdn_act: CudaSlice<f32>,
     gdn_gates: CudaSlice<f32>,
     gdn_raw: CudaSlice<f32>,
+    /// Chunkwise DeltaNet, per token and value head: the log decay summed from its sub-chunk's
+    /// start, W (key_dim floats) and U, which deltanet_chunk_state turns into V' in place
+    /// (value_dim floats).
+    gdn_gcum: CudaSlice<f32>,
+    gdn_w: CudaSlice<f32>,
+    gdn_values: CudaSlice<f32>,
 }
 
 /// Most tiles of GROUP_TILE assignments the experts' runs of a chunk can make.
@@ -75,6 +88,8 @@ impl PrefillScratch {
     pub(super) fn new(stream: &Arc<CudaStream>, b: &CudaBackend) -> Result<Self> {
         let c = &b.config;
         let n = b.prefill_chunk;
+        // The chunkwise DeltaNet kernels write whole sub-chunks.
+        let whole_sub_chunks = n.div_ceil(GDN_CHUNK) * GDN_CHUNK;
         let heads_hd = c.num_attention_heads * c.head_dim;
         let proj = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
             .max(2 * heads_hd + 2 * c.num_key_value_heads * c.head_dim);
@@ -112,6 +127,9 @@ impl PrefillScratch {
             gdn_act: z(n * c.linear_conv_dim())?,
             gdn_gates: z(n * 2 * c.linear_num_value_heads)?,
             gdn_raw: z(n * c.linear_value_dim())?,
+            gdn_gcum: z(n * c.linear_num_value_heads)?,
+            gdn_w: z(whole_sub_chunks * c.linear_num_value_heads * c.linear_key_head_dim)?,
+            gdn_values: z(whole_sub_chunks * c.linear_value_dim())?,
         })
     }
 }
@@ -210,7 +228,7 @@ impl CudaBackend {
                         out: core,
                     };
                     if scan_fits(c) {
-                        self.deltanet_scan_chunk(ps, &params, n)?;
+                        self.deltanet_prefill(ps, &params, n)?;
                     } else {
                         self.deltanet_step(&params, n)?;
                     }
@@ -622,10 +640,19 @@ fn scan_fits(c: &ModelConfig) -> bool {
         && c.linear_value_head_dim.is_multiple_of(4)
 }
 
+/// Whether the chunkwise kernels take the model's heads: key_dim and value_dim multiples of 16
+/// (whole mma tiles, GDN_STATE_COLS columns per state block) and at most 128 (the state block's
+/// shared memory, a column of the forward substitution per thread). Implies `scan_fits`.
+fn chunked_fits(c: &ModelConfig) -> bool {
+    let (kd, vd) = (c.linear_key_head_dim, c.linear_value_head_dim);
+    kd <= 128 && vd <= 128 && kd.is_multiple_of(16) && vd.is_multiple_of(GDN_STATE_COLS)
+}
+
 impl CudaBackend {
-    /// DeltaNet over a chunk: conv and norms in parallel over the tokens, the recurrence in
-    /// `deltanet_scan`, the gated norm in parallel again.
-    fn deltanet_scan_chunk(&self, ps: &PrefillScratch, l: &DeltaNetParams, n: usize) -> Result<()> {
+    /// DeltaNet over a chunk: conv and norms in parallel over the tokens, the recurrence in the
+    /// chunkwise form (`deltanet_chunkwise`) where it takes the heads, else in `deltanet_scan`, the
+    /// gated norm in parallel again.
+    fn deltanet_prefill(&self, ps: &PrefillScratch, l: &DeltaNetParams, n: usize) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (act, gates, raw) = (
             ptr(&ps.gdn_act, s),
@@ -634,9 +661,9 @@ impl CudaBackend {
         );
         let whole_warps = |threads: usize| threads.div_ceil(32) as u32 * 32;
         let n32 = n as i32;
-        // SAFETY (all four launches): the chunk buffers hold n rows of conv_dim floats (act),
-        // value_heads gates and value_heads * value_dim outputs (raw, out); the grids cover
-        // exactly the shapes the kernels document.
+        // SAFETY (all launches in this function): the chunk buffers hold n rows of conv_dim
+        // floats (act), value_heads gates and value_heads * value_dim outputs (raw, out); the
+        // grids cover exactly the shapes the kernels document.
         unsafe {
             self.launch(
                 "deltanet_conv_chunk",
@@ -669,20 +696,30 @@ impl CudaBackend {
                     arg(&gates),
                 ],
             )?;
+        }
+        if chunked_fits(c) {
+            self.deltanet_chunkwise(ps, l, n)?;
+        } else {
             let warps = c.linear_value_dim() / 4;
-            self.launch(
-                "deltanet_scan",
-                &self.k.deltanet_scan,
-                cfg(warps.div_ceil(8) as u32, 1, 256, 0),
-                &mut [
-                    arg(l.dims),
-                    arg(&act),
-                    arg(&gates),
-                    arg(&l.state),
-                    arg(&n32),
-                    arg(&raw),
-                ],
-            )?;
+            // SAFETY: as above; the state holds value_heads * key_dim * value_dim floats.
+            unsafe {
+                self.launch(
+                    "deltanet_scan",
+                    &self.k.deltanet_scan,
+                    cfg(warps.div_ceil(8) as u32, 1, 256, 0),
+                    &mut [
+                        arg(l.dims),
+                        arg(&act),
+                        arg(&gates),
+                        arg(&l.state),
+                        arg(&n32),
+                        arg(&raw),
+                    ],
+                )
+            }?;
+        }
+        // SAFETY: as above.
+        unsafe {
             self.launch(
                 "deltanet_gated_norm",
                 &self.k.deltanet_gated_norm,
@@ -698,6 +735,74 @@ impl CudaBackend {
                     arg(&l.proj),
                     arg(&l.norm),
                     arg(&l.out),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The chunkwise recurrence over the `n` tokens in act and gates (see deltanet.cu): W, U and
+    /// the cumulative decays per (value head, sub-chunk) in parallel, the state through the
+    /// sub-chunks in order per (value head, 16 value columns), then the intra-sub-chunk part of
+    /// the output per (value head, sub-chunk) in parallel again. Writes raw and the final state.
+    fn deltanet_chunkwise(&self, ps: &PrefillScratch, l: &DeltaNetParams, n: usize) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let p = |b: &CudaSlice<f32>| ptr(b, s);
+        let (act, gates, raw) = (p(&ps.gdn_act), p(&ps.gdn_gates), p(&ps.gdn_raw));
+        let (gcum, w, values) = (p(&ps.gdn_gcum), p(&ps.gdn_w), p(&ps.gdn_values));
+        let (heads, kd) = (c.linear_num_value_heads, c.linear_key_head_dim);
+        let sub_chunks = n.div_ceil(GDN_CHUNK) as u32;
+        let n32 = n as i32;
+        let prepare_smem = (GDN_CHUNK * (kd + 4) + GDN_CHUNK * GDN_A_STRIDE + 3 * GDN_CHUNK) * 4;
+        let output_smem = (2 * GDN_CHUNK * (kd + 4) + GDN_CHUNK * GDN_A_STRIDE + GDN_CHUNK) * 4;
+        let state_blocks = c.linear_value_dim() / GDN_STATE_COLS;
+        // SAFETY (all three): act holds n rows of conv_dim floats, gates and gcum n rows of
+        // value_heads, w and values the chunk's rows rounded up to whole sub-chunks (the kernels write the
+        // missing tokens' rows of the last one) of value_heads * key_dim and value_heads *
+        // value_dim floats, raw n rows of value_heads * value_dim, the state value_heads *
+        // key_dim * value_dim; chunked_fits holds, and the dynamic shared memory is what the
+        // kernels document (at most 85 KB, under MAX_DYNAMIC_SHARED_BYTES).
+        unsafe {
+            self.launch(
+                "deltanet_chunk_prepare",
+                &self.k.deltanet_chunk_prepare,
+                cfg(heads as u32, sub_chunks, 256, prepare_smem as u32),
+                &mut [
+                    arg(l.dims),
+                    arg(&act),
+                    arg(&gates),
+                    arg(&n32),
+                    arg(&gcum),
+                    arg(&w),
+                    arg(&values),
+                ],
+            )?;
+            self.launch(
+                "deltanet_chunk_state",
+                &self.k.deltanet_chunk_state,
+                cfg(state_blocks as u32, 1, 128, 0),
+                &mut [
+                    arg(l.dims),
+                    arg(&act),
+                    arg(&gcum),
+                    arg(&w),
+                    arg(&values),
+                    arg(&l.state),
+                    arg(&n32),
+                    arg(&raw),
+                ],
+            )?;
+            self.launch(
+                "deltanet_chunk_output",
+                &self.k.deltanet_chunk_output,
+                cfg(heads as u32, sub_chunks, 256, output_smem as u32),
+                &mut [
+                    arg(l.dims),
+                    arg(&act),
+                    arg(&gcum),
+                    arg(&values),
+                    arg(&n32),
+                    arg(&raw),
                 ],
             )?;
         }

@@ -214,11 +214,11 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_conv_ring(DeltaNetDim
     }
 }
 
-// Prefill of a chunk of `tokens` tokens in three parallel passes around one sequential scan:
-// deltanet_conv_chunk (causal conv + SiLU of every channel of every token), deltanet_norm_chunk
-// (q/k L2 norms, the gates), deltanet_scan (the recurrence: a warp owns 4 columns of a head's
-// state, its lanes 4 rows each, so a token needs only warp reductions and the next token's
-// inputs are loaded while this one is reduced), deltanet_gated_norm.
+// Prefill of a chunk of `tokens` tokens: deltanet_conv_chunk (causal conv + SiLU of every channel
+// of every token) and deltanet_norm_chunk (q/k L2 norms, the gates) in parallel over the tokens;
+// the recurrence in the chunkwise form below (deltanet_chunk_prepare, deltanet_chunk_state,
+// deltanet_chunk_output), or token by token in deltanet_scan for heads that form does not take;
+// then deltanet_gated_norm in parallel again.
 
 // act[t, ch] = silu(causal conv of channel ch at token t): the inputs before position[0] come
 // from the ring. Grid: (ceil(conv_dim / 256), tokens).
@@ -244,8 +244,9 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_conv_chunk(DeltaNetDi
 }
 
 // L2-normalises each key head's q (also scaled by 1/sqrt(key_dim)) and k in act, and writes the
-// gates of its value heads: gates[t, h] = (beta, decay). Grid: (key_heads, tokens), key_dim
-// threads rounded up to whole warps.
+// gates of its value heads: gates[t, h] = (beta, g), g <= 0 the log of the decay (a log, so
+// that the chunkwise form never takes the log of an underflowed decay). Grid: (key_heads,
+// tokens), key_dim threads rounded up to whole warps.
 extern "C" __global__ void __launch_bounds__(256) deltanet_norm_chunk(DeltaNetDims d, const float* proj,
                                                                     const float* a_log, const float* dt_bias,
                                                                     float* act, float2* gates) {
@@ -269,11 +270,12 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_norm_chunk(DeltaNetDi
         const float* zba = proj + (size_t)t * deltanet_proj_width(d, conv_dim) + conv_dim;
         const float b = zba[d.value_heads * d.value_dim + h];
         const float a = zba[d.value_heads * d.value_dim + d.value_heads + h];
-        gates[(size_t)t * d.value_heads + h] = make_float2(sigmoid(b), __expf(-__expf(a_log[h]) * softplus(a + dt_bias[h])));
+        gates[(size_t)t * d.value_heads + h] = make_float2(sigmoid(b), -__expf(a_log[h]) * softplus(a + dt_bias[h]));
     }
 }
 
-// The gated delta rule over the chunk. Warp w owns columns 4w' .. 4w' + 3 of value head h (w'
+// The gated delta rule over the chunk token by token, for heads the chunkwise form does not take
+// (chunked_fits in prefill.rs). Warp w owns columns 4w' .. 4w' + 3 of value head h (w'
 // the warp's index within the head); lane l rows 4l .. 4l + 3 (key_dim a multiple of 4, at most
 // 128; lanes past it hold zeros). Writes the raw output o[t, h, column] and leaves the state for
 // the next chunk or decode. Grid: value_heads * value_dim / 4 warps, 8 per block.
@@ -314,13 +316,14 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_scan(DeltaNetDims d, 
         const float4 nv = *reinterpret_cast<const float4*>(next + v_at);
         const float2 ng = gates[(size_t)nt * d.value_heads + h];
         const float kr[4] = {k.x, k.y, k.z, k.w}, qr[4] = {q.x, q.y, q.z, q.w}, vc[4] = {v.x, v.y, v.z, v.w};
+        const float decay = __expf(g.y);
         float kv[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             float part = 0.0f;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                s[i][j] *= g.y;
+                s[i][j] *= decay;
                 part += s[i][j] * kr[i];
             }
             kv[j] = part;
@@ -351,6 +354,342 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_scan(DeltaNetDims d, 
         for (int i = 0; i < 4; ++i)
             *reinterpret_cast<float4*>(S + (size_t)(r0 + i) * d.value_dim + c0) =
                 make_float4(s[i][0], s[i][1], s[i][2], s[i][3]);
+}
+
+// ---- The chunkwise gated delta rule ----
+//
+// The chunk's tokens in sub-chunks of GDN_CHUNK = 64 (the last one partial: its missing tokens
+// count as q = k = v = 0, beta = 0, g = 0). Within a sub-chunk, with G_i the sum of g over its
+// tokens up to i (so exp(G_i - G_j) is the decay from after token j to token i), the
+// recurrence from the state S at the sub-chunk's start is
+//   A[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) for j < i, else 0;  T = (I + A)^-1
+//   W = T (beta exp(G) K),  U = T (beta V)              (deltanet_chunk_prepare)
+//   V' = U - W S    (the tokens' delta-rule updates, beta_i (v_i - (decayed S)^T k_i))
+//   O = exp(G) (Q S) + (tril(Q K^T) ⊙ exp(G_i - G_j)) V'
+//   S <- exp(G_last) S + K^T (exp(G_last - G) V')    (deltanet_chunk_state: all but the
+//                                                     intra-sub-chunk term of O, added by
+//                                                     deltanet_chunk_output)
+// The products run on tensor cores as 3xTF32 (each fp32 operand split into a tf32 value and a
+// tf32 remainder; hi*hi + hi*lo + lo*hi), close to fp32 accuracy: the state carries every
+// error into later tokens. key_dim and value_dim are multiples of 16, at most GDN_MAX_HEAD_DIM.
+
+#define GDN_CHUNK 64
+#define GDN_MAX_HEAD_DIM 128
+#define GDN_STATE_COLS 16     // value columns of a head's state per deltanet_chunk_state block
+#define GDN_STATE_STRIDE 24   // row stride (floats) of the state and V' tiles in shared memory
+#define GDN_A_STRIDE 68       // row stride of 64-wide token x token tiles in shared memory
+
+// The tf32 value nearest x, as the bits mma takes (the low 13 mantissa bits zero).
+__device__ __forceinline__ uint32_t tf32_bits(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// d += a b for one m16n8k8 tile in 3xTF32 (the small cross terms first).
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
+    uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        ah[r] = tf32_bits(a[r]);
+        al[r] = tf32_bits(a[r] - __uint_as_float(ah[r]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        bh[r] = tf32_bits(b[r]);
+        bl[r] = tf32_bits(b[r] - __uint_as_float(bh[r]));
+    }
+    mma_tf32_1688(d, al, bh);
+    mma_tf32_1688(d, ah, bl);
+    mma_tf32_1688(d, ah, bh);
+}
+
+// One warp: acc[n] += A B_n over `ksteps` * 8 inner indices, A a 16-row tile read through
+// a(row, k) (row < 16), B_n the n-th 8-column tile of B read through b(k, col) (col < 8 * NT).
+// Accumulator element r of a lane (g = lane / 4, c = lane % 4) is row g + 8 * (r / 2), column
+// 2c + r % 2 of its tile (gdn_acc_row / gdn_acc_col).
+template <int NT, typename LoadA, typename LoadB>
+__device__ __forceinline__ void warp_product_3xtf32(float (&acc)[NT][4], int ksteps, LoadA a, LoadB b) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    for (int s = 0; s < ksteps; ++s) {
+        const int k = 8 * s + c;
+        const float af[4] = {a(g, k), a(g + 8, k), a(g, k + 4), a(g + 8, k + 4)};
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const float bf[2] = {b(k, 8 * n + g), b(k + 4, 8 * n + g)};
+            mma_3xtf32(acc[n], af, bf);
+        }
+    }
+}
+
+__device__ __forceinline__ int gdn_acc_row(int r) { return ((threadIdx.x & 31) >> 2) + 8 * (r >> 1); }
+__device__ __forceinline__ int gdn_acc_col(int r) { return 2 * (threadIdx.x & 3) + (r & 1); }
+
+// Per (value head h, sub-chunk): the cumulative log decays gcum[t, h] = G_t of its tokens, and
+// W = T (beta exp(G) K) into w[t, h, :key_dim], U = T (beta V) into values[t, h, :value_dim]
+// (every row of the sub-chunk: missing tokens get zeros, so the buffers hold whole sub-chunks).
+// T = (I + A)^-1 is applied by forward substitution, one column of [W | U] per thread, the
+// column's 64 values in registers; A = K K^T comes from the tensor cores.
+// Grid: (value_heads, ceil(tokens / 64)), 256 threads (8 warps: a 16 x 32 tile of A each).
+// Dynamic shared memory: (64 * (key_dim + 4) + 64 * GDN_A_STRIDE + 3 * 64) floats.
+extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNetDims d, const float* act,
+                                                                       const float2* gates, int tokens, float* gcum,
+                                                                       float* w, float* values) {
+    extern __shared__ float smem[];
+    const int kd = d.key_dim, vd = d.value_dim, heads = d.value_heads;
+    const int h = blockIdx.x, t0 = blockIdx.y * GDN_CHUNK, present = min(GDN_CHUNK, tokens - t0);
+    const int kh = h / (heads / d.key_heads);
+    const int key_width = d.key_heads * kd, conv_dim = 2 * key_width + heads * vd;
+    const int k_stride = kd + 4;  // mma fragment reads of a warp then hit 32 distinct banks
+    float* k_tile = smem;                          // [64, key_dim (+4)]: the tokens' k
+    float* a_tile = k_tile + GDN_CHUNK * k_stride; // [64, 64 (+4)]: A
+    float* beta = a_tile + GDN_CHUNK * GDN_A_STRIDE; // [64]
+    float* G = beta + GDN_CHUNK;                   // [64]
+    float* beta_decay = G + GDN_CHUNK;             // [64]: beta_i exp(G_i)
+    wait_for_previous_kernel();
+
+    const float* k_rows = act + (size_t)t0 * conv_dim + key_width + kh * kd;
+    for (int i = threadIdx.x; i < GDN_CHUNK * kd; i += blockDim.x) {
+        const int t = i / kd, c = i % kd;
+        k_tile[t * k_stride + c] = t < present ? k_rows[(size_t)t * conv_dim + c] : 0.0f;
+    }
+    // G: an inclusive scan of g, per warp of 32 tokens, then the second warp adds the first's total.
+    if (threadIdx.x < GDN_CHUNK) {
+        const int t = threadIdx.x, lane = t & 31;
+        const float2 gate = t < present ? gates[(size_t)(t0 + t) * heads + h] : make_float2(0.0f, 0.0f);
+        float sum = gate.y;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const float up = __shfl_up_sync(0xffffffffu, sum, off);
+            if (lane >= off) sum += up;
+        }
+        beta[t] = gate.x;
+        G[t] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32 && threadIdx.x < GDN_CHUNK) G[threadIdx.x] += G[31];
+    __syncthreads();
+    if (threadIdx.x < GDN_CHUNK) {
+        const int t = threadIdx.x;
+        beta_decay[t] = beta[t] * expf(G[t]);
+        if (t < present) gcum[(size_t)(t0 + t) * heads + h] = G[t];
+    }
+
+    // A: warp w computes rows 16 (w / 2) .. + 16, columns 32 (w % 2) .. + 32 of K K^T.
+    {
+        const int warp = threadIdx.x >> 5;
+        const int i0 = 16 * (warp >> 1), j0 = 32 * (warp & 1);
+        float acc[4][4] = {};
+        warp_product_3xtf32<4>(
+            acc, kd / 8, [&](int r, int k) { return k_tile[(i0 + r) * k_stride + k]; },
+            [&](int k, int c) { return k_tile[(j0 + c) * k_stride + k]; });
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = i0 + gdn_acc_row(r), j = j0 + 8 * n + gdn_acc_col(r);
+                a_tile[i * GDN_A_STRIDE + j] = j < i ? beta[i] * expf(G[i] - G[j]) * acc[n][r] : 0.0f;
+            }
+    }
+    __syncthreads();
+
+    // Forward substitution: x_i = rhs_i - sum_{j < i} A[i, j] x_j down one column of [W | U]
+    // (A is zero on and above the diagonal, so whole float4s of a row can be read).
+    for (int col = threadIdx.x; col < kd + vd; col += blockDim.x) {
+        const bool is_w = col < kd;
+        // rhs_i = scale[i] * src[i * stride]: beta exp(G) k from k_tile, or beta v from act.
+        const float* src = is_w ? k_tile + col : act + (size_t)t0 * conv_dim + 2 * key_width + h * vd + (col - kd);
+        const int stride = is_w ? k_stride : conv_dim;
+        const float* scale = is_w ? beta_decay : beta;
+        float x[GDN_CHUNK];
+#pragma unroll
+        for (int i = 0; i < GDN_CHUNK; ++i) {
+            float r = i < present ? scale[i] * src[(size_t)i * stride] : 0.0f;
+            const float* a_row = a_tile + i * GDN_A_STRIDE;
+#pragma unroll
+            for (int j = 0; j < i; j += 4) {
+                const float4 a4 = *reinterpret_cast<const float4*>(a_row + j);
+                r -= a4.x * x[j];
+                if (j + 1 < i) r -= a4.y * x[j + 1];
+                if (j + 2 < i) r -= a4.z * x[j + 2];
+                if (j + 3 < i) r -= a4.w * x[j + 3];
+            }
+            x[i] = r;
+        }
+        float* dst = is_w ? w + ((size_t)t0 * heads + h) * kd + col : values + ((size_t)t0 * heads + h) * vd + (col - kd);
+        const size_t row_stride = is_w ? (size_t)heads * kd : (size_t)heads * vd;
+#pragma unroll
+        for (int i = 0; i < GDN_CHUNK; ++i) dst[i * row_stride] = x[i];
+    }
+}
+
+// The sequential part, per (value head h, GDN_STATE_COLS of its value columns): the columns'
+// state in fp32 shared memory through the sub-chunks in order. For each sub-chunk it turns U
+// into V' = U - W S in place in `values`, writes o = exp(G) (Q S) (the part of the output that
+// comes from the state at the sub-chunk's start) and moves the state on; the final state goes
+// back to `state`. Warp w owns the sub-chunk's tokens 16w .. 16w + 15 for V' and o, and rows
+// 16w, 16(w + 4), ... of the state for its update.
+// Grid: value_heads * value_dim / GDN_STATE_COLS blocks of 128 threads (4 warps).
+extern "C" __global__ void __launch_bounds__(128) deltanet_chunk_state(DeltaNetDims d, const float* act,
+                                                                     const float* gcum, const float* w,
+                                                                     float* values, float* state, int tokens,
+                                                                     float* o) {
+    __shared__ float s[GDN_MAX_HEAD_DIM * GDN_STATE_STRIDE]; // [key_dim, 16 (+8)]: the state's columns
+    __shared__ float v_new[GDN_CHUNK * GDN_STATE_STRIDE];     // [64, 16 (+8)]: exp(G_last - G_t) V'[t]
+    __shared__ float q_scale[GDN_CHUNK], k_scale[GDN_CHUNK];  // exp(G_t), exp(G_last - G_t); 0 if missing
+    __shared__ float chunk_decay;                             // exp(G_last)
+    const int kd = d.key_dim, vd = d.value_dim, heads = d.value_heads;
+    const int slices = vd / GDN_STATE_COLS;
+    const int h = blockIdx.x / slices, col0 = (blockIdx.x % slices) * GDN_STATE_COLS;
+    const int kh = h / (heads / d.key_heads);
+    const int key_width = d.key_heads * kd, conv_dim = 2 * key_width + heads * vd;
+    const int warp = threadIdx.x >> 5;
+    float* S = state + (size_t)h * kd * vd + col0;
+    wait_for_previous_kernel();
+    for (int i = threadIdx.x; i < kd * GDN_STATE_COLS; i += blockDim.x) {
+        const int r = i / GDN_STATE_COLS, c = i % GDN_STATE_COLS;
+        s[r * GDN_STATE_STRIDE + c] = S[(size_t)r * vd + c];
+    }
+    for (int t0 = 0; t0 < tokens; t0 += GDN_CHUNK) {
+        const int present = min(GDN_CHUNK, tokens - t0);
+        if (threadIdx.x < GDN_CHUNK) {
+            const int t = threadIdx.x;
+            const float last = gcum[(size_t)(t0 + present - 1) * heads + h];
+            const float g = t < present ? gcum[(size_t)(t0 + t) * heads + h] : last;
+            q_scale[t] = t < present ? expf(g) : 0.0f;
+            k_scale[t] = t < present ? expf(last - g) : 0.0f;
+            if (t == 0) chunk_decay = expf(last);
+        }
+        __syncthreads();
+
+        // V' = U - W S and o = exp(G) (Q S) for tokens 16w .. 16w + 15.
+        {
+            const int r0 = 16 * warp;
+            const float* w_rows = w + ((size_t)(t0 + r0) * heads + h) * kd;
+            const float* q_rows = act + (size_t)(t0 + r0) * conv_dim + kh * kd;
+            const auto s_cols = [&](int k, int c) { return s[k * GDN_STATE_STRIDE + c]; };
+            float ws[2][4] = {}, qs[2][4] = {};
+            warp_product_3xtf32<2>(
+                ws, kd / 8, [&](int r, int k) { return w_rows[(size_t)r * heads * kd + k]; }, s_cols);
+            warp_product_3xtf32<2>(
+                qs, kd / 8,
+                [&](int r, int k) { return r0 + r < present ? q_rows[(size_t)r * conv_dim + k] : 0.0f; }, s_cols);
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int t = r0 + gdn_acc_row(r), c = 8 * n + gdn_acc_col(r);
+                    float* v_at = values + ((size_t)(t0 + t) * heads + h) * vd + col0 + c;
+                    const float vn = *v_at - ws[n][r];
+                    *v_at = vn;
+                    v_new[t * GDN_STATE_STRIDE + c] = k_scale[t] * vn;
+                    if (t < present) o[((size_t)(t0 + t) * heads + h) * vd + col0 + c] = q_scale[t] * qs[n][r];
+                }
+        }
+        __syncthreads();
+
+        // S <- exp(G_last) S + K^T (exp(G_last - G) V'): each warp its 16-row tiles of the state.
+        const float* k_rows = act + (size_t)t0 * conv_dim + key_width + kh * kd;
+        for (int m = warp; m < kd / 16; m += 4) {
+            const int i0 = 16 * m;
+            float acc[2][4];
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    acc[n][r] = chunk_decay * s[(i0 + gdn_acc_row(r)) * GDN_STATE_STRIDE + 8 * n + gdn_acc_col(r)];
+            warp_product_3xtf32<2>(
+                acc, GDN_CHUNK / 8,
+                [&](int r, int t) { return t < present ? k_rows[(size_t)t * conv_dim + i0 + r] : 0.0f; },
+                [&](int t, int c) { return v_new[t * GDN_STATE_STRIDE + c]; });
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    s[(i0 + gdn_acc_row(r)) * GDN_STATE_STRIDE + 8 * n + gdn_acc_col(r)] = acc[n][r];
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < kd * GDN_STATE_COLS; i += blockDim.x) {
+        const int r = i / GDN_STATE_COLS, c = i % GDN_STATE_COLS;
+        S[(size_t)r * vd + c] = s[r * GDN_STATE_STRIDE + c];
+    }
+}
+
+// Per (value head h, sub-chunk): adds the output's intra-sub-chunk term,
+// o[t] += sum_{j <= t} exp(G_t - G_j) (q_t . k_j) V'[j], to what deltanet_chunk_state wrote.
+// The masked Q K^T goes through shared memory; warp w computes its rows 16 (w / 2) .. + 16,
+// columns 32 (w % 2) .. + 32, then 16 x 16 tiles of the output in turn.
+// Grid: (value_heads, ceil(tokens / 64)), 256 threads (8 warps).
+// Dynamic shared memory: (2 * 64 * (key_dim + 4) + 64 * GDN_A_STRIDE + 64) floats.
+extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNetDims d, const float* act,
+                                                                      const float* gcum, const float* values,
+                                                                      int tokens, float* o) {
+    extern __shared__ float smem[];
+    const int kd = d.key_dim, vd = d.value_dim, heads = d.value_heads;
+    const int h = blockIdx.x, t0 = blockIdx.y * GDN_CHUNK, present = min(GDN_CHUNK, tokens - t0);
+    const int kh = h / (heads / d.key_heads);
+    const int key_width = d.key_heads * kd, conv_dim = 2 * key_width + heads * vd;
+    const int k_stride = kd + 4;
+    float* q_tile = smem;                          // [64, key_dim (+4)]
+    float* k_tile = q_tile + GDN_CHUNK * k_stride; // [64, key_dim (+4)]
+    float* p_tile = k_tile + GDN_CHUNK * k_stride; // [64, 64 (+4)]: masked, decayed Q K^T
+    float* G = p_tile + GDN_CHUNK * GDN_A_STRIDE;  // [64]
+    const int warp = threadIdx.x >> 5;
+    wait_for_previous_kernel();
+
+    const float* q_rows = act + (size_t)t0 * conv_dim + kh * kd;
+    for (int i = threadIdx.x; i < GDN_CHUNK * kd; i += blockDim.x) {
+        const int t = i / kd, c = i % kd;
+        const bool here = t < present;
+        q_tile[t * k_stride + c] = here ? q_rows[(size_t)t * conv_dim + c] : 0.0f;
+        k_tile[t * k_stride + c] = here ? q_rows[(size_t)t * conv_dim + key_width + c] : 0.0f;
+    }
+    if (threadIdx.x < GDN_CHUNK)
+        G[threadIdx.x] = threadIdx.x < present ? gcum[(size_t)(t0 + threadIdx.x) * heads + h] : 0.0f;
+    __syncthreads();
+
+    {
+        const int i0 = 16 * (warp >> 1), j0 = 32 * (warp & 1);
+        float acc[4][4] = {};
+        warp_product_3xtf32<4>(
+            acc, kd / 8, [&](int r, int k) { return q_tile[(i0 + r) * k_stride + k]; },
+            [&](int k, int c) { return k_tile[(j0 + c) * k_stride + k]; });
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = i0 + gdn_acc_row(r), j = j0 + 8 * n + gdn_acc_col(r);
+                // (A missing token's G stands in as 0: it must not meet a present one's.)
+                p_tile[i * GDN_A_STRIDE + j] = j <= i && i < present ? expf(G[i] - G[j]) * acc[n][r] : 0.0f;
+            }
+    }
+    __syncthreads();
+
+    const float* v_rows = values + ((size_t)t0 * heads + h) * vd;
+    const int col_tiles = vd / 16;
+    for (int tile = warp; tile < 4 * col_tiles; tile += 8) {
+        const int r0 = 16 * (tile & 3), c0 = 16 * (tile >> 2);
+        float acc[2][4] = {};
+        warp_product_3xtf32<2>(
+            acc, GDN_CHUNK / 8, [&](int r, int j) { return p_tile[(r0 + r) * GDN_A_STRIDE + j]; },
+            [&](int j, int c) { return v_rows[(size_t)j * heads * vd + c0 + c]; });
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int t = r0 + gdn_acc_row(r), c = c0 + 8 * n + gdn_acc_col(r);
+                if (t < present) o[((size_t)(t0 + t) * heads + h) * vd + c] += acc[n][r];
+            }
+    }
 }
 
 // out[t, h] = RMSNorm(o[t, h]) * norm_w * silu(z[t, h]) over each head's value_dim outputs.
