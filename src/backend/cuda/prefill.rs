@@ -1,9 +1,10 @@
 //! Prefill: a prompt goes through the model a chunk of tokens at a time, layer by layer over the
-//! whole chunk. 4-bit projections run on tensor cores for the chunk at once (gemm.rs), and so does
-//! attention (causal flash attention, `attention_prefill`); other weights, the MoE experts and the
-//! recurrences (DeltaNet state, the KV cache append) run the decode kernels with the chunk's
-//! tokens along a grid dimension, the recurrences token by token inside their kernels. Scratch is
-//! sized for one chunk, so a prompt of any length fits.
+//! whole chunk. Projections with 4- and 8-bit weights run on tensor cores for the chunk at once
+//! (gemm.rs), the MoE grouped by expert; attention is causal flash attention on tensor cores
+//! (`attention_prefill`); the DeltaNet recurrence runs in its chunkwise form (64-token
+//! sub-chunks as matrix products on tensor cores, the state carried from one to the next). Other
+//! weight formats run the decode kernels with the chunk's tokens along a grid dimension. Scratch
+//! is sized for one chunk, so a prompt of any length fits.
 
 use anyhow::{Context, Result, ensure};
 use std::sync::Arc;
@@ -72,9 +73,9 @@ pub(super) struct PrefillScratch {
     gdn_gates: CudaSlice<f32>,
     gdn_raw: CudaSlice<f32>,
     /// Chunkwise DeltaNet, per token and value head: the log decay summed from its sub-chunk's
-    /// start, W (key_dim floats) and U, which deltanet_chunk_state turns into V' in place
+    /// start (in fp64), W (key_dim floats) and U, which deltanet_chunk_state turns into V' in place
     /// (value_dim floats).
-    gdn_gcum: CudaSlice<f32>,
+    gdn_gcum: CudaSlice<f64>,
     gdn_w: CudaSlice<f32>,
     gdn_values: CudaSlice<f32>,
 }
@@ -127,7 +128,7 @@ impl PrefillScratch {
             gdn_act: z(n * c.linear_conv_dim())?,
             gdn_gates: z(n * 2 * c.linear_num_value_heads)?,
             gdn_raw: z(n * c.linear_value_dim())?,
-            gdn_gcum: z(n * c.linear_num_value_heads)?,
+            gdn_gcum: stream.alloc_zeros::<f64>(n * c.linear_num_value_heads)?,
             gdn_w: z(whole_sub_chunks * c.linear_num_value_heads * c.linear_key_head_dim)?,
             gdn_values: z(whole_sub_chunks * c.linear_value_dim())?,
         })
@@ -749,19 +750,20 @@ impl CudaBackend {
         let (c, s) = (&self.config, &self.stream);
         let p = |b: &CudaSlice<f32>| ptr(b, s);
         let (act, gates, raw) = (p(&ps.gdn_act), p(&ps.gdn_gates), p(&ps.gdn_raw));
-        let (gcum, w, values) = (p(&ps.gdn_gcum), p(&ps.gdn_w), p(&ps.gdn_values));
+        let (gcum, w, values) = (ptr(&ps.gdn_gcum, s), p(&ps.gdn_w), p(&ps.gdn_values));
         let (heads, kd) = (c.linear_num_value_heads, c.linear_key_head_dim);
         let sub_chunks = n.div_ceil(GDN_CHUNK) as u32;
         let n32 = n as i32;
-        let prepare_smem = (GDN_CHUNK * (kd + 4) + GDN_CHUNK * GDN_A_STRIDE + 3 * GDN_CHUNK) * 4;
-        let output_smem = (2 * GDN_CHUNK * (kd + 4) + GDN_CHUNK * GDN_A_STRIDE + GDN_CHUNK) * 4;
+        let prepare_smem = (GDN_CHUNK * (kd + 4) + GDN_CHUNK * GDN_A_STRIDE + 4 * GDN_CHUNK) * 4;
+        let output_smem = (2 * GDN_CHUNK * (kd + 4) + GDN_CHUNK * GDN_A_STRIDE + 2 * GDN_CHUNK) * 4;
         let state_blocks = c.linear_value_dim() / GDN_STATE_COLS;
-        // SAFETY (all three): act holds n rows of conv_dim floats, gates and gcum n rows of
-        // value_heads, w and values the chunk's rows rounded up to whole sub-chunks (the kernels write the
-        // missing tokens' rows of the last one) of value_heads * key_dim and value_heads *
-        // value_dim floats, raw n rows of value_heads * value_dim, the state value_heads *
-        // key_dim * value_dim; chunked_fits holds, and the dynamic shared memory is what the
-        // kernels document (at most 85 KB, under MAX_DYNAMIC_SHARED_BYTES).
+        // SAFETY (all three): act holds n rows of conv_dim floats, gates n rows of value_heads
+        // float pairs, gcum n rows of value_heads doubles, w and values the chunk's rows rounded
+        // up to whole sub-chunks (the kernels write the missing tokens' rows of the last one) of
+        // value_heads * key_dim and value_heads * value_dim floats, raw n rows of value_heads *
+        // value_dim, the state value_heads * key_dim * value_dim; chunked_fits holds, and the
+        // dynamic shared memory is what the kernels document (84 KiB at key_dim 128, under
+        // MAX_DYNAMIC_SHARED_BYTES).
         unsafe {
             self.launch(
                 "deltanet_chunk_prepare",

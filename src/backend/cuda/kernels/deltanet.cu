@@ -371,7 +371,10 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_scan(DeltaNetDims d, 
 //                                                     deltanet_chunk_output)
 // The products run on tensor cores as 3xTF32 (each fp32 operand split into a tf32 value and a
 // tf32 remainder; hi*hi + hi*lo + lo*hi), close to fp32 accuracy: the state carries every
-// error into later tokens. key_dim and value_dim are multiples of 16, at most GDN_MAX_HEAD_DIM.
+// error into later tokens. G is summed in fp64: after a large decay G is large, and in fp32 the
+// differences G_i - G_j of the tokens after it would lose their low bits (a relative error of
+// 1e-3 in exp(G_i - G_j) after a g of -1e4). key_dim and value_dim are multiples of 16, at most
+// GDN_MAX_HEAD_DIM.
 
 #define GDN_CHUNK 64
 #define GDN_MAX_HEAD_DIM 128
@@ -439,9 +442,9 @@ __device__ __forceinline__ int gdn_acc_col(int r) { return 2 * (threadIdx.x & 3)
 // T = (I + A)^-1 is applied by forward substitution, one column of [W | U] per thread, the
 // column's 64 values in registers; A = K K^T comes from the tensor cores.
 // Grid: (value_heads, ceil(tokens / 64)), 256 threads (8 warps: a 16 x 32 tile of A each).
-// Dynamic shared memory: (64 * (key_dim + 4) + 64 * GDN_A_STRIDE + 3 * 64) floats.
+// Dynamic shared memory: (64 * (key_dim + 4) + 64 * GDN_A_STRIDE + 4 * 64) floats.
 extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNetDims d, const float* act,
-                                                                       const float2* gates, int tokens, float* gcum,
+                                                                       const float2* gates, int tokens, double* gcum,
                                                                        float* w, float* values) {
     extern __shared__ float smem[];
     const int kd = d.key_dim, vd = d.value_dim, heads = d.value_heads;
@@ -451,9 +454,9 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
     const int k_stride = kd + 4;  // mma fragment reads of a warp then hit 32 distinct banks
     float* k_tile = smem;                          // [64, key_dim (+4)]: the tokens' k
     float* a_tile = k_tile + GDN_CHUNK * k_stride; // [64, 64 (+4)]: A
-    float* beta = a_tile + GDN_CHUNK * GDN_A_STRIDE; // [64]
-    float* G = beta + GDN_CHUNK;                   // [64]
-    float* beta_decay = G + GDN_CHUNK;             // [64]: beta_i exp(G_i)
+    double* G = reinterpret_cast<double*>(a_tile + GDN_CHUNK * GDN_A_STRIDE); // [64] (8-byte aligned: even offset)
+    float* beta = reinterpret_cast<float*>(G + GDN_CHUNK); // [64]
+    float* beta_decay = beta + GDN_CHUNK;          // [64]: beta_i exp(G_i)
     wait_for_previous_kernel();
 
     const float* k_rows = act + (size_t)t0 * conv_dim + key_width + kh * kd;
@@ -465,10 +468,10 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
     if (threadIdx.x < GDN_CHUNK) {
         const int t = threadIdx.x, lane = t & 31;
         const float2 gate = t < present ? gates[(size_t)(t0 + t) * heads + h] : make_float2(0.0f, 0.0f);
-        float sum = gate.y;
+        double sum = gate.y;
 #pragma unroll
         for (int off = 1; off < 32; off <<= 1) {
-            const float up = __shfl_up_sync(0xffffffffu, sum, off);
+            const double up = __shfl_up_sync(0xffffffffu, sum, off);
             if (lane >= off) sum += up;
         }
         beta[t] = gate.x;
@@ -479,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
     __syncthreads();
     if (threadIdx.x < GDN_CHUNK) {
         const int t = threadIdx.x;
-        beta_decay[t] = beta[t] * expf(G[t]);
+        beta_decay[t] = beta[t] * expf((float)G[t]);
         if (t < present) gcum[(size_t)(t0 + t) * heads + h] = G[t];
     }
 
@@ -496,7 +499,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int i = i0 + gdn_acc_row(r), j = j0 + 8 * n + gdn_acc_col(r);
-                a_tile[i * GDN_A_STRIDE + j] = j < i ? beta[i] * expf(G[i] - G[j]) * acc[n][r] : 0.0f;
+                a_tile[i * GDN_A_STRIDE + j] = j < i ? beta[i] * expf((float)(G[i] - G[j])) * acc[n][r] : 0.0f;
             }
     }
     __syncthreads();
@@ -539,7 +542,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
 // 16w, 16(w + 4), ... of the state for its update.
 // Grid: value_heads * value_dim / GDN_STATE_COLS blocks of 128 threads (4 warps).
 extern "C" __global__ void __launch_bounds__(128) deltanet_chunk_state(DeltaNetDims d, const float* act,
-                                                                     const float* gcum, const float* w,
+                                                                     const double* gcum, const float* w,
                                                                      float* values, float* state, int tokens,
                                                                      float* o) {
     __shared__ float s[GDN_MAX_HEAD_DIM * GDN_STATE_STRIDE]; // [key_dim, 16 (+8)]: the state's columns
@@ -562,11 +565,11 @@ extern "C" __global__ void __launch_bounds__(128) deltanet_chunk_state(DeltaNetD
         const int present = min(GDN_CHUNK, tokens - t0);
         if (threadIdx.x < GDN_CHUNK) {
             const int t = threadIdx.x;
-            const float last = gcum[(size_t)(t0 + present - 1) * heads + h];
-            const float g = t < present ? gcum[(size_t)(t0 + t) * heads + h] : last;
-            q_scale[t] = t < present ? expf(g) : 0.0f;
-            k_scale[t] = t < present ? expf(last - g) : 0.0f;
-            if (t == 0) chunk_decay = expf(last);
+            const double last = gcum[(size_t)(t0 + present - 1) * heads + h];
+            const double g = t < present ? gcum[(size_t)(t0 + t) * heads + h] : last;
+            q_scale[t] = t < present ? expf((float)g) : 0.0f;
+            k_scale[t] = t < present ? expf((float)(last - g)) : 0.0f;
+            if (t == 0) chunk_decay = expf((float)last);
         }
         __syncthreads();
 
@@ -629,9 +632,9 @@ extern "C" __global__ void __launch_bounds__(128) deltanet_chunk_state(DeltaNetD
 // The masked Q K^T goes through shared memory; warp w computes its rows 16 (w / 2) .. + 16,
 // columns 32 (w % 2) .. + 32, then 16 x 16 tiles of the output in turn.
 // Grid: (value_heads, ceil(tokens / 64)), 256 threads (8 warps).
-// Dynamic shared memory: (2 * 64 * (key_dim + 4) + 64 * GDN_A_STRIDE + 64) floats.
+// Dynamic shared memory: (2 * 64 * (key_dim + 4) + 64 * GDN_A_STRIDE + 2 * 64) floats.
 extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNetDims d, const float* act,
-                                                                      const float* gcum, const float* values,
+                                                                      const double* gcum, const float* values,
                                                                       int tokens, float* o) {
     extern __shared__ float smem[];
     const int kd = d.key_dim, vd = d.value_dim, heads = d.value_heads;
@@ -642,7 +645,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNet
     float* q_tile = smem;                          // [64, key_dim (+4)]
     float* k_tile = q_tile + GDN_CHUNK * k_stride; // [64, key_dim (+4)]
     float* p_tile = k_tile + GDN_CHUNK * k_stride; // [64, 64 (+4)]: masked, decayed Q K^T
-    float* G = p_tile + GDN_CHUNK * GDN_A_STRIDE;  // [64]
+    double* G = reinterpret_cast<double*>(p_tile + GDN_CHUNK * GDN_A_STRIDE); // [64] (even offset)
     const int warp = threadIdx.x >> 5;
     wait_for_previous_kernel();
 
@@ -654,7 +657,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNet
         k_tile[t * k_stride + c] = here ? q_rows[(size_t)t * conv_dim + key_width + c] : 0.0f;
     }
     if (threadIdx.x < GDN_CHUNK)
-        G[threadIdx.x] = threadIdx.x < present ? gcum[(size_t)(t0 + threadIdx.x) * heads + h] : 0.0f;
+        G[threadIdx.x] = threadIdx.x < present ? gcum[(size_t)(t0 + threadIdx.x) * heads + h] : 0.0;
     __syncthreads();
 
     {
@@ -669,7 +672,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNet
             for (int r = 0; r < 4; ++r) {
                 const int i = i0 + gdn_acc_row(r), j = j0 + 8 * n + gdn_acc_col(r);
                 // (A missing token's G stands in as 0: it must not meet a present one's.)
-                p_tile[i * GDN_A_STRIDE + j] = j <= i && i < present ? expf(G[i] - G[j]) * acc[n][r] : 0.0f;
+                p_tile[i * GDN_A_STRIDE + j] = j <= i && i < present ? expf((float)(G[i] - G[j])) * acc[n][r] : 0.0f;
             }
     }
     __syncthreads();
