@@ -14,7 +14,7 @@ pub(super) const GEMM_ROWS: usize = 128;
 const GEMM_DENSE_TOKENS: usize = 128;
 pub(super) const GEMM_GROUP_TOKENS: usize = 128;
 pub(super) const GEMM_THREADS: u32 = 128;
-const GEMM_STAGES: usize = 5;
+const GEMM_STAGES: usize = 4;
 /// Inputs per pipeline stage (GEMM_K).
 const GEMM_K: usize = 64;
 

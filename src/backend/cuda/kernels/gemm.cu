@@ -18,9 +18,7 @@
 #define GEMM_GROUP_TOKENS 128 // tokens per block of a grouped (MoE) product: an expert's tile
 #define GEMM_THREADS 128 // one warpgroup
 #define GEMM_K 64        // inputs per pipeline stage
-#define GEMM_STAGES 5    // stages in dynamic shared memory
-#define GEMM_LOOKAHEAD 3 // stages loading while one is multiplied; the fifth is still being read
-                         // by the previous stage's last products
+#define GEMM_STAGES 4    // stages in dynamic shared memory: three loads in flight while one is multiplied
 
 // The lane's pair of quantised values in word w (already shifted right by the lane's offset:
 // 4c bits for 4-bit, 8 (c & 1) for 8-bit) as the half2 (scale * q + bias) of each.
@@ -249,18 +247,15 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     float acc[2][TOKENS / 2] = {};
 
 #pragma unroll
-    for (int s = 0; s < GEMM_LOOKAHEAD; ++s) {
+    for (int s = 0; s < GEMM_STAGES - 1; ++s) {
         if (s < steps) issue(s, s);
         cp_async_commit();
     }
     for (int step = 0; step < steps; ++step) {
-        cp_async_wait<GEMM_LOOKAHEAD - 1>();
+        cp_async_wait<GEMM_STAGES - 2>();
         fence_proxy_async();
         __syncthreads();
-        // The stage refilled here was read two steps ago: every warp has since waited for all
-        // but its latest group of products, so those reads are done and the tensor cores never
-        // drain between stages.
-        const int ahead = step + GEMM_LOOKAHEAD;
+        const int ahead = step + GEMM_STAGES - 1;
         if (ahead < steps) issue(ahead % GEMM_STAGES, ahead);
         cp_async_commit();
 
@@ -315,8 +310,9 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
             // Step j - 1's products are done, so its A registers may be rewritten at step j + 1.
             wgmma_wait<1>();
         }
+        // All of this stage's products are done before the next barrier lets its buffer refill.
+        wgmma_wait<0>();
     }
-    wgmma_wait<0>();
     cp_async_wait<0>();
 
     // D fragment of each 64-row half m: acc[m][4 nb + e] is row 16 warp + g (+ 8 for e >= 2),
