@@ -12,7 +12,7 @@ use crate::model::{Matrix, Storage};
 /// GEMM_STAGES in gemm.cu).
 pub(super) const GEMM_ROWS: usize = 128;
 const GEMM_DENSE_TOKENS: usize = 128;
-pub(super) const GEMM_GROUP_TOKENS: usize = 128;
+pub(super) const GEMM_GROUP_TOKENS: usize = 64;
 pub(super) const GEMM_THREADS: u32 = 128;
 const GEMM_STAGES: usize = 4;
 /// Inputs per pipeline stage (GEMM_K).

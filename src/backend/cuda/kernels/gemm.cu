@@ -15,7 +15,7 @@
 
 #define GEMM_ROWS 128    // weight rows per block: two 64-row halves
 #define GEMM_DENSE_TOKENS 128 // tokens per block of a dense product (the N of the products)
-#define GEMM_GROUP_TOKENS 128 // tokens per block of a grouped (MoE) product: an expert's tile
+#define GEMM_GROUP_TOKENS 64  // tokens per block of a grouped (MoE) product: an expert's tile
 #define GEMM_THREADS 128 // one warpgroup
 #define GEMM_K 64        // inputs per pipeline stage
 #define GEMM_STAGES 4    // stages in dynamic shared memory: three loads in flight while one is multiplied
@@ -361,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_q(Weight w, c
 // (the up projection beside the gate one, from the same inputs; same shape and format). Grid: (most tiles,
 // ceil(rows_per_expert / 128), 1 or 2), GEMM_THREADS threads, gemm_smem_bytes(bits,
 // GEMM_GROUP_TOKENS) of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_q_grouped(Weight w, Weight w2, int rows_per_expert,
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped(Weight w, Weight w2, int rows_per_expert,
                                                                          const int* tiles, const int* tile_count,
                                                                          const int* order, int in_div,
                                                                          const __half* x16, const float* xscale,
@@ -423,11 +423,12 @@ extern "C" __global__ void __launch_bounds__(256) add_expert_rows(const float* d
 // shared-memory B (no global memory traffic). The sums go to out only if they equal an
 // impossible value, so the compiler keeps the work. Grid: any, 128 threads.
 extern "C" __global__ void __launch_bounds__(128) wgmma_peak(int iters, float* out) {
-    __shared__ __align__(128) uint4 b[2][64];
-    for (int i = threadIdx.x; i < 2 * 64; i += blockDim.x) b[i / 64][i % 64] = make_uint4(0, 0, 0, 0);
+    __shared__ __align__(128) uint4 b[2][GEMM_GROUP_TOKENS];
+    for (int i = threadIdx.x; i < 2 * GEMM_GROUP_TOKENS; i += blockDim.x)
+        b[i / GEMM_GROUP_TOKENS][i % GEMM_GROUP_TOKENS] = make_uint4(0, 0, 0, 0);
     fence_proxy_async();
     __syncthreads();
-    const uint64_t desc = smem_desc(&b[0][0], 64 * 16, 128);
+    const uint64_t desc = smem_desc(&b[0][0], GEMM_GROUP_TOKENS * 16, 128);
     const uint32_t a = 0x3c003c00u ^ threadIdx.x;
     float acc[2][32] = {};
     for (int i = 0; i < iters; ++i) {

@@ -329,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const floa
     }
 }
 
-#define GROUP_TILE 128
+#define GROUP_TILE 64
 
 // Prefill: sorts the chunk's routed assignments (a = token * top_k + slot) by expert into
 // `order` and cuts each expert's run into tiles of at most GROUP_TILE for gemm_q_grouped:
