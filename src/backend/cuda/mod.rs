@@ -510,6 +510,7 @@ impl CudaBackend {
             &k.gemm_q_grouped,
             &k.attention_prefill,
             &k.deltanet_chunk_prepare,
+            &k.deltanet_chunk_state,
             &k.deltanet_chunk_output,
         ] {
             f.set_attribute(

@@ -37,8 +37,9 @@ const GROUP_TILE: usize = GEMM_GROUP_TOKENS;
 /// Tokens per sub-chunk of the chunkwise DeltaNet recurrence (GDN_CHUNK in deltanet.cu). Its
 /// scratch holds whole sub-chunks.
 const GDN_CHUNK: usize = 64;
-/// Value columns of a head's state per `deltanet_chunk_state` block (GDN_STATE_COLS).
-const GDN_STATE_COLS: usize = 16;
+/// Row stride of the state, U and V' tiles in `deltanet_chunk_state`'s shared memory
+/// (GDN_STATE_STRIDE).
+const GDN_STATE_STRIDE: usize = 40;
 /// Row stride of the 64 x 64 token tiles in the chunkwise kernels' shared memory (GDN_A_STRIDE).
 const GDN_A_STRIDE: usize = 68;
 
@@ -642,11 +643,12 @@ fn scan_fits(c: &ModelConfig) -> bool {
 }
 
 /// Whether the chunkwise kernels take the model's heads: key_dim and value_dim multiples of 16
-/// (whole mma tiles, GDN_STATE_COLS columns per state block) and at most 128 (the state block's
-/// shared memory, a column of the forward substitution per thread). Implies `scan_fits`.
+/// (whole mma tiles, a multiple of 16 columns per state block) and at most 128 (a warp of the
+/// state block per 16 state rows, a column of the forward substitution per thread). Implies
+/// `scan_fits`.
 fn chunked_fits(c: &ModelConfig) -> bool {
     let (kd, vd) = (c.linear_key_head_dim, c.linear_value_head_dim);
-    kd <= 128 && vd <= 128 && kd.is_multiple_of(16) && vd.is_multiple_of(GDN_STATE_COLS)
+    kd <= 128 && vd <= 128 && kd.is_multiple_of(16) && vd.is_multiple_of(16)
 }
 
 impl CudaBackend {
@@ -744,26 +746,39 @@ impl CudaBackend {
 
     /// The chunkwise recurrence over the `n` tokens in act and gates (see deltanet.cu): W, U and
     /// the cumulative decays per (value head, sub-chunk) in parallel, the state through the
-    /// sub-chunks in order per (value head, 16 value columns), then the intra-sub-chunk part of
+    /// sub-chunks in order per (value head, 32 value columns, or 16 where value_dim is not a
+    /// multiple of 32: gdn_state_cols in deltanet.cu), then the intra-sub-chunk part of
     /// the output per (value head, sub-chunk) in parallel again. Writes raw and the final state.
     fn deltanet_chunkwise(&self, ps: &PrefillScratch, l: &DeltaNetParams, n: usize) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let p = |b: &CudaSlice<f32>| ptr(b, s);
         let (act, gates, raw) = (p(&ps.gdn_act), p(&ps.gdn_gates), p(&ps.gdn_raw));
         let (gcum, w, values) = (ptr(&ps.gdn_gcum, s), p(&ps.gdn_w), p(&ps.gdn_values));
-        let (heads, kd) = (c.linear_num_value_heads, c.linear_key_head_dim);
+        let (heads, kd, vd) = (
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        );
         let sub_chunks = n.div_ceil(GDN_CHUNK) as u32;
         let n32 = n as i32;
-        let prepare_smem = (GDN_CHUNK * (kd + 4) + GDN_CHUNK * GDN_A_STRIDE + 4 * GDN_CHUNK) * 4;
-        let output_smem = (2 * GDN_CHUNK * (kd + 4) + GDN_CHUNK * GDN_A_STRIDE + 2 * GDN_CHUNK) * 4;
-        let state_blocks = c.linear_value_dim() / GDN_STATE_COLS;
+        let prepare_smem =
+            (GDN_CHUNK * (kd + 4 + vd) + GDN_CHUNK * GDN_A_STRIDE + 4 * GDN_CHUNK) * 4;
+        let state_smem =
+            (GDN_CHUNK * (3 * kd + 16) + (2 * GDN_CHUNK + kd) * GDN_STATE_STRIDE + 2 * GDN_CHUNK)
+                * 4;
+        let output_smem = ((2 * GDN_CHUNK * (kd + 4)).max(GDN_CHUNK * (vd + 8))
+            + GDN_CHUNK * GDN_A_STRIDE
+            + 2 * GDN_CHUNK)
+            * 4;
+        let state_cols = if vd.is_multiple_of(32) { 32 } else { 16 };
+        let state_blocks = heads * vd / state_cols;
         // SAFETY (all three): act holds n rows of conv_dim floats, gates n rows of value_heads
         // float pairs, gcum n rows of value_heads doubles, w and values the chunk's rows rounded
         // up to whole sub-chunks (the kernels write the missing tokens' rows of the last one) of
         // value_heads * key_dim and value_heads * value_dim floats, raw n rows of value_heads *
         // value_dim, the state value_heads * key_dim * value_dim; chunked_fits holds, and the
-        // dynamic shared memory is what the kernels document (84 KiB at key_dim 128, under
-        // MAX_DYNAMIC_SHARED_BYTES).
+        // dynamic shared memory is what the kernels document (at key_dim = value_dim = 128: 83,
+        // 141 and 84 KiB, under MAX_DYNAMIC_SHARED_BYTES).
         unsafe {
             self.launch(
                 "deltanet_chunk_prepare",
@@ -782,7 +797,7 @@ impl CudaBackend {
             self.launch(
                 "deltanet_chunk_state",
                 &self.k.deltanet_chunk_state,
-                cfg(state_blocks as u32, 1, 128, 0),
+                cfg(state_blocks as u32, 1, 256, state_smem as u32),
                 &mut [
                     arg(l.dims),
                     arg(&act),

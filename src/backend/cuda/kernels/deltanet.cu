@@ -374,13 +374,49 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_scan(DeltaNetDims d, 
 // error into later tokens. G is summed in fp64: after a large decay G is large, and in fp32 the
 // differences G_i - G_j of the tokens after it would lose their low bits (a relative error of
 // 1e-3 in exp(G_i - G_j) after a g of -1e4). key_dim and value_dim are multiples of 16, at most
-// GDN_MAX_HEAD_DIM.
+// 128. The kernels stage their inputs in shared memory with cp.async; mma fragments are read from
+// there, rows padded so that a warp's fragment reads hit 32 distinct banks.
 
 #define GDN_CHUNK 64
-#define GDN_MAX_HEAD_DIM 128
-#define GDN_STATE_COLS 16     // value columns of a head's state per deltanet_chunk_state block
-#define GDN_STATE_STRIDE 24   // row stride (floats) of the state and V' tiles in shared memory
+#define GDN_STATE_STRIDE 40   // row stride (floats) of deltanet_chunk_state's state, U and V' tiles
 #define GDN_A_STRIDE 68       // row stride of 64-wide token x token tiles in shared memory
+
+// Value columns of a head's state per deltanet_chunk_state block: 32, or 16 where value_dim is
+// not a multiple of 32.
+__device__ __forceinline__ int gdn_state_cols(int value_dim) { return value_dim % 32 == 0 ? 32 : 16; }
+
+// Copies 16 bytes from global to shared memory asynchronously; writes zeros instead (reading
+// nothing) when !valid.
+__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_8(double* dst, const double* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(shared_address(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most PENDING of this thread's latest commit groups are in flight (other threads'
+// copies need a __syncthreads after).
+template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+// The whole block: cp.async of a sub-chunk's 64 rows of `width` floats (a multiple of 4; rows
+// 16-byte aligned) from src (row stride src_stride) to dst (row stride dst_stride); rows from
+// `valid` on get zeros and are not read.
+__device__ __forceinline__ void copy_sub_chunk(float* dst, int dst_stride, const float* src, size_t src_stride,
+                                               int width, int valid) {
+    const int chunks = width / 4;
+    for (int i = threadIdx.x; i < GDN_CHUNK * chunks; i += blockDim.x) {
+        const int r = i / chunks, c = 4 * (i % chunks);
+        const bool here = r < valid;
+        cp_async_16(dst + r * dst_stride + c, src + (here ? r : 0) * src_stride + c, here);
+    }
+}
 
 // The tf32 value nearest x, as the bits mma takes (the low 13 mantissa bits zero).
 __device__ __forceinline__ uint32_t tf32_bits(float x) {
@@ -416,17 +452,19 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const float (&a)[4], c
 }
 
 // One warp: acc[n] += A B_n over `ksteps` * 8 inner indices, A a 16-row tile read through
-// a(row, k) (row < 16), B_n the n-th 8-column tile of B read through b(k, col) (col < 8 * NT).
-// Accumulator element r of a lane (g = lane / 4, c = lane % 4) is row g + 8 * (r / 2), column
-// 2c + r % 2 of its tile (gdn_acc_row / gdn_acc_col).
+// a(row, k) (row < 16), B_n the n-th 8-column tile of B read through b(k, col) (col < 8 * tiles),
+// for the first `tiles` <= NT tiles. Accumulator element r of a lane (g = lane / 4, c = lane % 4)
+// is row g + 8 * (r / 2), column 2c + r % 2 of its tile (gdn_acc_row / gdn_acc_col).
 template <int NT, typename LoadA, typename LoadB>
-__device__ __forceinline__ void warp_product_3xtf32(float (&acc)[NT][4], int ksteps, LoadA a, LoadB b) {
+__device__ __forceinline__ void warp_product_3xtf32(float (&acc)[NT][4], int ksteps, LoadA a, LoadB b,
+                                                    int tiles = NT) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     for (int s = 0; s < ksteps; ++s) {
         const int k = 8 * s + c;
         const float af[4] = {a(g, k), a(g + 8, k), a(g, k + 4), a(g + 8, k + 4)};
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
+            if (n >= tiles) continue;
             const float bf[2] = {b(k, 8 * n + g), b(k + 4, 8 * n + g)};
             mma_3xtf32(acc[n], af, bf);
         }
@@ -440,9 +478,11 @@ __device__ __forceinline__ int gdn_acc_col(int r) { return 2 * (threadIdx.x & 3)
 // W = T (beta exp(G) K) into w[t, h, :key_dim], U = T (beta V) into values[t, h, :value_dim]
 // (every row of the sub-chunk: missing tokens get zeros, so the buffers hold whole sub-chunks).
 // T = (I + A)^-1 is applied by forward substitution, one column of [W | U] per thread, the
-// column's 64 values in registers; A = K K^T comes from the tensor cores.
+// column's 64 values in registers; A = K K^T comes from the tensor cores. The sub-chunk's k and
+// v rows are copied to shared memory (cp.async) while G is summed.
 // Grid: (value_heads, ceil(tokens / 64)), 256 threads (8 warps: a 16 x 32 tile of A each).
-// Dynamic shared memory: (64 * (key_dim + 4) + 64 * GDN_A_STRIDE + 4 * 64) floats.
+// Dynamic shared memory: (64 * (key_dim + 4) + 64 * value_dim + 64 * GDN_A_STRIDE + 4 * 64)
+// floats.
 extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNetDims d, const float* act,
                                                                        const float2* gates, int tokens, double* gcum,
                                                                        float* w, float* values) {
@@ -453,17 +493,17 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
     const int key_width = d.key_heads * kd, conv_dim = 2 * key_width + heads * vd;
     const int k_stride = kd + 4;  // mma fragment reads of a warp then hit 32 distinct banks
     float* k_tile = smem;                          // [64, key_dim (+4)]: the tokens' k
-    float* a_tile = k_tile + GDN_CHUNK * k_stride; // [64, 64 (+4)]: A
+    float* v_tile = k_tile + GDN_CHUNK * k_stride; // [64, value_dim]: the tokens' v
+    float* a_tile = v_tile + GDN_CHUNK * vd;       // [64, 64 (+4)]: A
     double* G = reinterpret_cast<double*>(a_tile + GDN_CHUNK * GDN_A_STRIDE); // [64] (8-byte aligned: even offset)
     float* beta = reinterpret_cast<float*>(G + GDN_CHUNK); // [64]
     float* beta_decay = beta + GDN_CHUNK;          // [64]: beta_i exp(G_i)
     wait_for_previous_kernel();
 
-    const float* k_rows = act + (size_t)t0 * conv_dim + key_width + kh * kd;
-    for (int i = threadIdx.x; i < GDN_CHUNK * kd; i += blockDim.x) {
-        const int t = i / kd, c = i % kd;
-        k_tile[t * k_stride + c] = t < present ? k_rows[(size_t)t * conv_dim + c] : 0.0f;
-    }
+    const float* rows = act + (size_t)t0 * conv_dim;
+    copy_sub_chunk(k_tile, k_stride, rows + key_width + kh * kd, conv_dim, kd, present);
+    copy_sub_chunk(v_tile, vd, rows + 2 * key_width + h * vd, conv_dim, vd, present);
+    cp_async_commit();
     // G: an inclusive scan of g, per warp of 32 tokens, then the second warp adds the first's total.
     if (threadIdx.x < GDN_CHUNK) {
         const int t = threadIdx.x, lane = t & 31;
@@ -477,6 +517,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
         beta[t] = gate.x;
         G[t] = sum;
     }
+    cp_async_wait<0>();
     __syncthreads();
     if (threadIdx.x >= 32 && threadIdx.x < GDN_CHUNK) G[threadIdx.x] += G[31];
     __syncthreads();
@@ -508,14 +549,14 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
     // (A is zero on and above the diagonal, so whole float4s of a row can be read).
     for (int col = threadIdx.x; col < kd + vd; col += blockDim.x) {
         const bool is_w = col < kd;
-        // rhs_i = scale[i] * src[i * stride]: beta exp(G) k from k_tile, or beta v from act.
-        const float* src = is_w ? k_tile + col : act + (size_t)t0 * conv_dim + 2 * key_width + h * vd + (col - kd);
-        const int stride = is_w ? k_stride : conv_dim;
+        // rhs_i = scale[i] * src[i * stride]: beta exp(G) k from k_tile, or beta v from v_tile.
+        const float* src = is_w ? k_tile + col : v_tile + (col - kd);
+        const int stride = is_w ? k_stride : vd;
         const float* scale = is_w ? beta_decay : beta;
         float x[GDN_CHUNK];
 #pragma unroll
         for (int i = 0; i < GDN_CHUNK; ++i) {
-            float r = i < present ? scale[i] * src[(size_t)i * stride] : 0.0f;
+            float r = i < present ? scale[i] * src[i * stride] : 0.0f;
             const float* a_row = a_tile + i * GDN_A_STRIDE;
 #pragma unroll
             for (int j = 0; j < i; j += 4) {
@@ -534,105 +575,146 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
     }
 }
 
-// The sequential part, per (value head h, GDN_STATE_COLS of its value columns): the columns'
-// state in fp32 shared memory through the sub-chunks in order. For each sub-chunk it turns U
-// into V' = U - W S in place in `values`, writes o = exp(G) (Q S) (the part of the output that
-// comes from the state at the sub-chunk's start) and moves the state on; the final state goes
-// back to `state`. Warp w owns the sub-chunk's tokens 16w .. 16w + 15 for V' and o, and rows
-// 16w, 16(w + 4), ... of the state for its update.
-// Grid: value_heads * value_dim / GDN_STATE_COLS blocks of 128 threads (4 warps).
-extern "C" __global__ void __launch_bounds__(128) deltanet_chunk_state(DeltaNetDims d, const float* act,
+// The sequential part, per (value head h, cols = gdn_state_cols(value_dim) of its value columns):
+// the columns' state through the sub-chunks in order. For each sub-chunk it turns U into
+// V' = U - W S in place in `values`, writes o = exp(G) (Q S) (the part of the output that comes
+// from the state at the sub-chunk's start) and moves the state on; the final state goes back to
+// `state`. Warps 0-3 compute V' for tokens 16w .. 16w + 15, warps 4-7 o for tokens
+// 16(w - 4) .. + 15, both from the state in shared memory; warp w then updates state rows
+// 16w .. 16w + 15, which it keeps in registers, and copies them to shared memory for the next
+// sub-chunk. The inputs are copied with cp.async a phase ahead: W, Q, U and G of the next
+// sub-chunk while this one's state update runs, K of this sub-chunk while its V' and o run.
+// Grid: value_heads * value_dim / cols blocks of 256 threads (8 warps).
+// Dynamic shared memory: (2 * 64 * (key_dim + 4) + 64 * (key_dim + 8) + (128 + key_dim) *
+// GDN_STATE_STRIDE) floats and 64 doubles (141 KiB at key_dim 128).
+extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_state(DeltaNetDims d, const float* act,
                                                                      const double* gcum, const float* w,
                                                                      float* values, float* state, int tokens,
                                                                      float* o) {
-    __shared__ float s[GDN_MAX_HEAD_DIM * GDN_STATE_STRIDE]; // [key_dim, 16 (+8)]: the state's columns
-    __shared__ float v_new[GDN_CHUNK * GDN_STATE_STRIDE];     // [64, 16 (+8)]: exp(G_last - G_t) V'[t]
-    __shared__ float q_scale[GDN_CHUNK], k_scale[GDN_CHUNK];  // exp(G_t), exp(G_last - G_t); 0 if missing
-    __shared__ float chunk_decay;                             // exp(G_last)
+    extern __shared__ float smem[];
     const int kd = d.key_dim, vd = d.value_dim, heads = d.value_heads;
-    const int slices = vd / GDN_STATE_COLS;
-    const int h = blockIdx.x / slices, col0 = (blockIdx.x % slices) * GDN_STATE_COLS;
+    const int cols = gdn_state_cols(vd), col_tiles = cols / 8, slices = vd / cols;
+    const int h = blockIdx.x / slices, col0 = (blockIdx.x % slices) * cols;
     const int kh = h / (heads / d.key_heads);
     const int key_width = d.key_heads * kd, conv_dim = 2 * key_width + heads * vd;
     const int warp = threadIdx.x >> 5;
-    float* S = state + (size_t)h * kd * vd + col0;
+    // Row strides: W and Q are read as A fragments (row, k): 4 mod 32 banks apart; K is read
+    // transposed and the others as B fragments (k, column): 8 mod 32 apart.
+    const int a_stride = kd + 4, k_stride = kd + 8;
+    float* w_tile = smem;                                 // [64, key_dim (+4)]: W
+    float* q_tile = w_tile + GDN_CHUNK * a_stride;        // [64, key_dim (+4)]: Q
+    float* k_tile = q_tile + GDN_CHUNK * a_stride;        // [64, key_dim (+8)]: K
+    float* u_tile = k_tile + GDN_CHUNK * k_stride;        // [64, cols (+)]: U
+    float* v_new = u_tile + GDN_CHUNK * GDN_STATE_STRIDE; // [64, cols (+)]: exp(G_last - G_t) V'[t]
+    float* s = v_new + GDN_CHUNK * GDN_STATE_STRIDE;      // [key_dim, cols (+)]: the state
+    double* G = reinterpret_cast<double*>(s + kd * GDN_STATE_STRIDE); // [64] (8-byte aligned: even offset)
+    const auto load_wqug = [&](int t0) {
+        const int present = min(GDN_CHUNK, tokens - t0);
+        // deltanet_chunk_prepare wrote whole sub-chunks of W and U; act and gcum hold `present` rows.
+        copy_sub_chunk(w_tile, a_stride, w + ((size_t)t0 * heads + h) * kd, (size_t)heads * kd, kd, GDN_CHUNK);
+        copy_sub_chunk(q_tile, a_stride, act + (size_t)t0 * conv_dim + kh * kd, conv_dim, kd, present);
+        copy_sub_chunk(u_tile, GDN_STATE_STRIDE, values + ((size_t)t0 * heads + h) * vd + col0, (size_t)heads * vd,
+                       cols, GDN_CHUNK);
+        if (threadIdx.x < present) cp_async_8(G + threadIdx.x, gcum + (size_t)(t0 + threadIdx.x) * heads + h);
+    };
+    const auto load_k = [&](int t0) {
+        copy_sub_chunk(k_tile, k_stride, act + (size_t)t0 * conv_dim + key_width + kh * kd, conv_dim, kd,
+                       min(GDN_CHUNK, tokens - t0));
+    };
     wait_for_previous_kernel();
-    for (int i = threadIdx.x; i < kd * GDN_STATE_COLS; i += blockDim.x) {
-        const int r = i / GDN_STATE_COLS, c = i % GDN_STATE_COLS;
-        s[r * GDN_STATE_STRIDE + c] = S[(size_t)r * vd + c];
-    }
+    load_wqug(0);
+    cp_async_commit();
+    load_k(0);
+    cp_async_commit();
+
+    // Warp w's state rows (none past key_dim), as mma accumulators.
+    const bool owns_rows = 16 * warp < kd;
+    const int i0 = 16 * warp;
+    float* S = state + (size_t)h * kd * vd + col0;
+    float st[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int i = i0 + gdn_acc_row(r), c = 8 * n + gdn_acc_col(r);
+            st[n][r] = owns_rows && n < col_tiles ? S[(size_t)i * vd + c] : 0.0f;
+            if (owns_rows && n < col_tiles) s[i * GDN_STATE_STRIDE + c] = st[n][r];
+        }
+
     for (int t0 = 0; t0 < tokens; t0 += GDN_CHUNK) {
         const int present = min(GDN_CHUNK, tokens - t0);
-        if (threadIdx.x < GDN_CHUNK) {
-            const int t = threadIdx.x;
-            const double last = gcum[(size_t)(t0 + present - 1) * heads + h];
-            const double g = t < present ? gcum[(size_t)(t0 + t) * heads + h] : last;
-            q_scale[t] = t < present ? expf((float)g) : 0.0f;
-            k_scale[t] = t < present ? expf((float)(last - g)) : 0.0f;
-            if (t == 0) chunk_decay = expf((float)last);
-        }
+        const bool more = t0 + GDN_CHUNK < tokens;
+        cp_async_wait<1>(); // W, Q, U, G (K may still be in flight)
         __syncthreads();
+        const double last = G[present - 1];
 
-        // V' = U - W S and o = exp(G) (Q S) for tokens 16w .. 16w + 15.
+        // V' = U - W S (warps 0-3) or o = exp(G) (Q S) (warps 4-7) for tokens r0 .. r0 + 15.
         {
-            const int r0 = 16 * warp;
-            const float* w_rows = w + ((size_t)(t0 + r0) * heads + h) * kd;
-            const float* q_rows = act + (size_t)(t0 + r0) * conv_dim + kh * kd;
-            const auto s_cols = [&](int k, int c) { return s[k * GDN_STATE_STRIDE + c]; };
-            float ws[2][4] = {}, qs[2][4] = {};
-            warp_product_3xtf32<2>(
-                ws, kd / 8, [&](int r, int k) { return w_rows[(size_t)r * heads * kd + k]; }, s_cols);
-            warp_product_3xtf32<2>(
-                qs, kd / 8,
-                [&](int r, int k) { return r0 + r < present ? q_rows[(size_t)r * conv_dim + k] : 0.0f; }, s_cols);
+            const int r0 = 16 * (warp & 3);
+            const float* a_tile = warp < 4 ? w_tile : q_tile;
+            float acc[4][4] = {};
+            warp_product_3xtf32<4>(
+                acc, kd / 8, [&](int r, int k) { return a_tile[(r0 + r) * a_stride + k]; },
+                [&](int k, int c) { return s[k * GDN_STATE_STRIDE + c]; }, col_tiles);
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+            for (int n = 0; n < 4; ++n)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     const int t = r0 + gdn_acc_row(r), c = 8 * n + gdn_acc_col(r);
-                    float* v_at = values + ((size_t)(t0 + t) * heads + h) * vd + col0 + c;
-                    const float vn = *v_at - ws[n][r];
-                    *v_at = vn;
-                    v_new[t * GDN_STATE_STRIDE + c] = k_scale[t] * vn;
-                    if (t < present) o[((size_t)(t0 + t) * heads + h) * vd + col0 + c] = q_scale[t] * qs[n][r];
+                    if (n >= col_tiles) continue;
+                    const size_t at = ((size_t)(t0 + t) * heads + h) * vd + col0 + c;
+                    if (warp < 4) {
+                        const float vn = u_tile[t * GDN_STATE_STRIDE + c] - acc[n][r];
+                        values[at] = vn;
+                        v_new[t * GDN_STATE_STRIDE + c] = t < present ? expf((float)(last - G[t])) * vn : 0.0f;
+                    } else if (t < present) {
+                        o[at] = expf((float)G[t]) * acc[n][r];
+                    }
                 }
         }
+        const float chunk_decay = expf((float)last);
+        __syncthreads(); // W, Q, U and G are free; V' is whole
+        if (more) load_wqug(t0 + GDN_CHUNK);
+        cp_async_commit();
+        cp_async_wait<1>(); // K
         __syncthreads();
 
-        // S <- exp(G_last) S + K^T (exp(G_last - G) V'): each warp its 16-row tiles of the state.
-        const float* k_rows = act + (size_t)t0 * conv_dim + key_width + kh * kd;
-        for (int m = warp; m < kd / 16; m += 4) {
-            const int i0 = 16 * m;
-            float acc[2][4];
+        // S <- exp(G_last) S + K^T (exp(G_last - G) V') for warp w's rows.
+        if (owns_rows) {
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+            for (int n = 0; n < 4; ++n)
 #pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    acc[n][r] = chunk_decay * s[(i0 + gdn_acc_row(r)) * GDN_STATE_STRIDE + 8 * n + gdn_acc_col(r)];
-            warp_product_3xtf32<2>(
-                acc, GDN_CHUNK / 8,
-                [&](int r, int t) { return t < present ? k_rows[(size_t)t * conv_dim + i0 + r] : 0.0f; },
-                [&](int t, int c) { return v_new[t * GDN_STATE_STRIDE + c]; });
+                for (int r = 0; r < 4; ++r) st[n][r] *= chunk_decay;
+            warp_product_3xtf32<4>(
+                st, GDN_CHUNK / 8, [&](int r, int t) { return k_tile[t * k_stride + i0 + r]; },
+                [&](int t, int c) { return v_new[t * GDN_STATE_STRIDE + c]; }, col_tiles);
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+            for (int n = 0; n < 4; ++n)
 #pragma unroll
                 for (int r = 0; r < 4; ++r)
-                    s[(i0 + gdn_acc_row(r)) * GDN_STATE_STRIDE + 8 * n + gdn_acc_col(r)] = acc[n][r];
+                    if (n < col_tiles)
+                        s[(i0 + gdn_acc_row(r)) * GDN_STATE_STRIDE + 8 * n + gdn_acc_col(r)] = st[n][r];
         }
-        __syncthreads();
+        __syncthreads(); // K and V' are free
+        if (more) load_k(t0 + GDN_CHUNK);
+        cp_async_commit();
     }
-    for (int i = threadIdx.x; i < kd * GDN_STATE_COLS; i += blockDim.x) {
-        const int r = i / GDN_STATE_COLS, c = i % GDN_STATE_COLS;
-        S[(size_t)r * vd + c] = s[r * GDN_STATE_STRIDE + c];
-    }
+    if (owns_rows)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                if (n < col_tiles) S[(size_t)(i0 + gdn_acc_row(r)) * vd + 8 * n + gdn_acc_col(r)] = st[n][r];
 }
 
 // Per (value head h, sub-chunk): adds the output's intra-sub-chunk term,
 // o[t] += sum_{j <= t} exp(G_t - G_j) (q_t . k_j) V'[j], to what deltanet_chunk_state wrote.
 // The masked Q K^T goes through shared memory; warp w computes its rows 16 (w / 2) .. + 16,
-// columns 32 (w % 2) .. + 32, then 16 x 16 tiles of the output in turn.
+// columns 32 (w % 2) .. + 32, then 16 x 16 tiles of the output in turn. Q and K are copied to
+// shared memory (cp.async), then V' over them once Q K^T is done.
 // Grid: (value_heads, ceil(tokens / 64)), 256 threads (8 warps).
-// Dynamic shared memory: (2 * 64 * (key_dim + 4) + 64 * GDN_A_STRIDE + 2 * 64) floats.
+// Dynamic shared memory: (max(2 * 64 * (key_dim + 4), 64 * (value_dim + 8)) + 64 * GDN_A_STRIDE
+// + 2 * 64) floats.
 extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNetDims d, const float* act,
                                                                       const double* gcum, const float* values,
                                                                       int tokens, float* o) {
@@ -641,23 +723,24 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNet
     const int h = blockIdx.x, t0 = blockIdx.y * GDN_CHUNK, present = min(GDN_CHUNK, tokens - t0);
     const int kh = h / (heads / d.key_heads);
     const int key_width = d.key_heads * kd, conv_dim = 2 * key_width + heads * vd;
-    const int k_stride = kd + 4;
+    // Q and K are read as (row, k) fragments (rows 4 mod 32 banks apart), V' as (k, column) ones
+    // (8 mod 32 apart).
+    const int k_stride = kd + 4, v_stride = vd + 8;
     float* q_tile = smem;                          // [64, key_dim (+4)]
     float* k_tile = q_tile + GDN_CHUNK * k_stride; // [64, key_dim (+4)]
-    float* p_tile = k_tile + GDN_CHUNK * k_stride; // [64, 64 (+4)]: masked, decayed Q K^T
+    float* v_tile = smem;                          // [64, value_dim (+8)]: V', once Q and K are done
+    float* p_tile = smem + max(2 * GDN_CHUNK * k_stride, GDN_CHUNK * v_stride); // [64, 64 (+4)]: masked, decayed Q K^T
     double* G = reinterpret_cast<double*>(p_tile + GDN_CHUNK * GDN_A_STRIDE); // [64] (even offset)
     const int warp = threadIdx.x >> 5;
     wait_for_previous_kernel();
 
     const float* q_rows = act + (size_t)t0 * conv_dim + kh * kd;
-    for (int i = threadIdx.x; i < GDN_CHUNK * kd; i += blockDim.x) {
-        const int t = i / kd, c = i % kd;
-        const bool here = t < present;
-        q_tile[t * k_stride + c] = here ? q_rows[(size_t)t * conv_dim + c] : 0.0f;
-        k_tile[t * k_stride + c] = here ? q_rows[(size_t)t * conv_dim + key_width + c] : 0.0f;
-    }
+    copy_sub_chunk(q_tile, k_stride, q_rows, conv_dim, kd, present);
+    copy_sub_chunk(k_tile, k_stride, q_rows + key_width, conv_dim, kd, present);
+    cp_async_commit();
     if (threadIdx.x < GDN_CHUNK)
         G[threadIdx.x] = threadIdx.x < present ? gcum[(size_t)(t0 + threadIdx.x) * heads + h] : 0.0;
+    cp_async_wait<0>();
     __syncthreads();
 
     {
@@ -675,16 +758,21 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNet
                 p_tile[i * GDN_A_STRIDE + j] = j <= i && i < present ? expf((float)(G[i] - G[j])) * acc[n][r] : 0.0f;
             }
     }
+    __syncthreads(); // Q and K are free
+
+    // deltanet_chunk_state wrote whole sub-chunks of V'.
+    copy_sub_chunk(v_tile, v_stride, values + ((size_t)t0 * heads + h) * vd, (size_t)heads * vd, vd, GDN_CHUNK);
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
 
-    const float* v_rows = values + ((size_t)t0 * heads + h) * vd;
     const int col_tiles = vd / 16;
     for (int tile = warp; tile < 4 * col_tiles; tile += 8) {
         const int r0 = 16 * (tile & 3), c0 = 16 * (tile >> 2);
         float acc[2][4] = {};
         warp_product_3xtf32<2>(
             acc, GDN_CHUNK / 8, [&](int r, int j) { return p_tile[(r0 + r) * GDN_A_STRIDE + j]; },
-            [&](int j, int c) { return v_rows[(size_t)j * heads * vd + c0 + c]; });
+            [&](int j, int c) { return v_tile[j * v_stride + c0 + c]; });
 #pragma unroll
         for (int n = 0; n < 2; ++n)
 #pragma unroll
