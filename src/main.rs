@@ -177,9 +177,11 @@ struct ServeArgs {
     /// Requests that may wait for a free slot; more get 429.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
-    /// Prompt tokens prefilled per engine step (long prompts are split into chunks this size).
-    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
-    prefill_chunk: u32,
+    /// Prompt tokens prefilled per engine step (long prompts are split into chunks this size;
+    /// decode steps of other requests run between chunks) [default: 512 on the CPU, 2048 on
+    /// CUDA, where a chunk reads every expert's weights once].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    prefill_chunk: Option<u32>,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 32 << 20)]
     max_body_bytes: usize,
@@ -476,6 +478,13 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// Default `serve --prefill-chunk` per device: short on the CPU so that decode steps of other
+/// requests are not held up long; on CUDA the backend's own chunk (`DEFAULT_PREFILL_CHUNK`).
+const CPU_PREFILL_CHUNK: usize = 512;
+const CUDA_PREFILL_CHUNK: usize = 2048;
+#[cfg(feature = "cuda")]
+const _: () = assert!(CUDA_PREFILL_CHUNK == lily::backend::cuda::DEFAULT_PREFILL_CHUNK);
+
 fn serve(args: ServeArgs) -> Result<()> {
     let (model, served) = match &args.model {
         Some(dir) => ServedModel::load(dir)?,
@@ -488,7 +497,13 @@ fn serve(args: ServeArgs) -> Result<()> {
         max_batch: args.max_batch as usize,
         max_queue: args.max_queue,
         context: args.device.context,
-        prefill_chunk: args.prefill_chunk as usize,
+        prefill_chunk: args.prefill_chunk.map_or(
+            match args.device.device {
+                Device::Cpu => CPU_PREFILL_CHUNK,
+                Device::Cuda => CUDA_PREFILL_CHUNK,
+            },
+            |n| n as usize,
+        ),
         max_body_bytes: args.max_body_bytes,
         shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace),
     };

@@ -1,0 +1,406 @@
+//! Prefill: a prompt goes through the model a chunk of tokens at a time, layer by layer over the
+//! whole chunk. Projections with 4- and 8-bit weights run on tensor cores for the chunk at once
+//! (gemm.rs), the MoE grouped by expert; attention is causal flash attention on tensor cores
+//! (`attention_prefill`); the DeltaNet recurrence runs in its chunkwise form (64-token
+//! sub-chunks as matrix products on tensor cores, the state carried from one to the next). Other
+//! weight formats run the decode kernels with the chunk's tokens along a grid dimension. Scratch
+//! is sized for one chunk, so a prompt of any length fits.
+
+mod deltanet;
+mod moe;
+
+use anyhow::{Context, Result, ensure};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use deltanet::GDN_CHUNK;
+use moe::max_group_tiles;
+
+use super::gemm::on_tensor_cores;
+use super::timing::PrefillPart;
+use super::weights::{DeviceMixer, DeviceWeight, ptr};
+use super::{
+    AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
+    DeltaNetShape, arg, cfg,
+};
+use crate::backend::LogitsFor;
+
+/// Token rows up to which a projection runs the decode mat-vec per token instead of the
+/// tensor-core product.
+const MATVEC_MAX_TOKENS: usize = 4;
+/// Rows of logits computed at a time when every position's logits are asked for.
+const LOGITS_ROWS: usize = 128;
+/// Query tokens per `attention_prefill` block (PREFILL_QUERY_TILE in attention.cu).
+const ATTENTION_QUERY_TILE: usize = 64;
+/// Key positions per step of `attention_prefill` (PREFILL_KEY_TILE).
+const ATTENTION_KEY_TILE: usize = 64;
+/// Threads of an `attention_prefill` block (PREFILL_THREADS: a warp per 16 query rows).
+const ATTENTION_PREFILL_THREADS: u32 = 128;
+
+/// Activations of one prefill chunk, row per token.
+pub(super) struct PrefillScratch {
+    tokens: CudaSlice<i32>,
+    x: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    core: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    router_logits: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    /// Inputs of a tensor-core product in fp16, and each token's power-of-two scale.
+    x16: CudaSlice<u16>,
+    xscale: CudaSlice<f32>,
+    /// Grouped MoE: assignments (token * top_k + slot) sorted by expert, the expert tiles over
+    /// them and their count, each assignment's gate and up rows, its activation in fp16 (and
+    /// scale), and its down row.
+    order: CudaSlice<i32>,
+    tiles: CudaSlice<i32>,
+    tile_count: CudaSlice<i32>,
+    gate_rows: CudaSlice<f32>,
+    up_rows: CudaSlice<f32>,
+    act16: CudaSlice<u16>,
+    actscale: CudaSlice<f32>,
+    down_rows: CudaSlice<f32>,
+    /// DeltaNet: the convolved, activated q|k|v of every token, its (beta, log decay) per value
+    /// head, and the recurrence's output before the gated norm.
+    gdn_act: CudaSlice<f32>,
+    gdn_gates: CudaSlice<f32>,
+    gdn_raw: CudaSlice<f32>,
+    /// Chunkwise DeltaNet, per token and value head: the log decay summed from its sub-chunk's
+    /// start (in fp64), W (key_dim floats) and U, which deltanet_chunk_state turns into V' in place
+    /// (value_dim floats).
+    gdn_gcum: CudaSlice<f64>,
+    gdn_w: CudaSlice<f32>,
+    gdn_values: CudaSlice<f32>,
+}
+
+impl PrefillScratch {
+    pub(super) fn new(stream: &Arc<CudaStream>, b: &CudaBackend) -> Result<Self> {
+        let c = &b.config;
+        let n = b.prefill_chunk;
+        // The chunkwise DeltaNet kernels write whole sub-chunks.
+        let whole_sub_chunks = n.div_ceil(GDN_CHUNK) * GDN_CHUNK;
+        let heads_hd = c.num_attention_heads * c.head_dim;
+        let proj = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
+            .max(2 * heads_hd + 2 * c.num_key_value_heads * c.head_dim);
+        let widest = c
+            .hidden_size
+            .max(c.linear_value_dim())
+            .max(heads_hd)
+            .max(c.moe_intermediate_size)
+            .max(c.shared_expert_intermediate_size);
+        let inter = c
+            .moe_intermediate_size
+            .max(c.shared_expert_intermediate_size);
+        let slots = c.num_experts_per_tok + 1;
+        let z = |len: usize| stream.alloc_zeros::<f32>(len.max(1));
+        Ok(Self {
+            tokens: stream.alloc_zeros::<i32>(n)?,
+            x: z(n * c.hidden_size)?,
+            proj: z(n * proj)?,
+            core: z(n * c.linear_value_dim().max(heads_hd))?,
+            q: z(n * heads_hd)?,
+            router_logits: z(n * (c.num_experts + 1))?,
+            act: z(n * slots * inter)?,
+            ids: stream.alloc_zeros::<i32>(n * slots)?,
+            weights: z(n * slots)?,
+            x16: stream.alloc_zeros::<u16>(n * widest)?,
+            xscale: z(n)?,
+            order: stream.alloc_zeros::<i32>(n * c.num_experts_per_tok)?,
+            tiles: stream.alloc_zeros::<i32>(3 * max_group_tiles(c, n))?,
+            tile_count: stream.alloc_zeros::<i32>(1)?,
+            gate_rows: z(n * c.num_experts_per_tok * inter)?,
+            up_rows: z(n * c.num_experts_per_tok * inter)?,
+            act16: stream.alloc_zeros::<u16>(n * c.num_experts_per_tok * inter)?,
+            actscale: z(n * c.num_experts_per_tok)?,
+            down_rows: z(n * c.num_experts_per_tok * c.hidden_size)?,
+            gdn_act: z(n * c.linear_conv_dim())?,
+            gdn_gates: z(n * 2 * c.linear_num_value_heads)?,
+            gdn_raw: z(n * c.linear_value_dim())?,
+            gdn_gcum: stream.alloc_zeros::<f64>(n * c.linear_num_value_heads)?,
+            gdn_w: z(whole_sub_chunks * c.linear_num_value_heads * c.linear_key_head_dim)?,
+            gdn_values: z(whole_sub_chunks * c.linear_value_dim())?,
+        })
+    }
+}
+
+impl CudaBackend {
+    /// Runs `tokens` (at most the prefill chunk) from the state's position and returns the logits of
+    /// every token (`LogitsFor::All`) or of the last.
+    pub(super) fn prefill_chunk(
+        &self,
+        state: &mut CudaState,
+        tokens: &[u32],
+        which: LogitsFor,
+    ) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        ensure!(
+            (1..=self.prefill_chunk).contains(&n),
+            "a prefill chunk holds 1 to {} tokens",
+            self.prefill_chunk
+        );
+        let c = &self.config;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            anyhow::bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                c.vocab_size
+            );
+        }
+        ensure!(
+            state.position + n <= self.max_context,
+            "the prompt needs {} positions; the context limit is {} tokens",
+            state.position + n,
+            self.max_context
+        );
+        let mut guard = self
+            .prefill
+            .lock()
+            .map_err(|_| anyhow::anyhow!("prefill scratch lock poisoned"))?;
+        if guard.is_none() {
+            *guard = Some(PrefillScratch::new(&self.stream, self)?);
+        }
+        let ps = guard.as_mut().context("prefill scratch allocated above")?;
+        let slots = self
+            .slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let slot = &slots[state.slot];
+        let s = &self.stream;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        s.memcpy_htod(&ids, &mut ps.tokens)?;
+
+        let m = &self.model;
+        let p = |x: &CudaSlice<f32>| ptr(x, s);
+        let (x, proj, core) = (p(&ps.x), p(&ps.proj), p(&ps.core));
+        let position = ptr(&slot.position, s);
+        let token_ids = ptr(&ps.tokens, s);
+        let n32 = n as i32;
+        let embed = m.embed.desc(s);
+        // SAFETY: x holds prefill_chunk rows of hidden_size floats; token ids checked above.
+        unsafe {
+            self.launch(
+                "embed",
+                &self.k.embed,
+                cfg(c.hidden_size.div_ceil(256) as u32, n as u32, 256, 0),
+                &mut [arg(&embed), arg(&token_ids), arg(&x)],
+            )
+        }?;
+        self.mark(PrefillPart::Projections)?;
+
+        let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
+        let gdn_dims = DeltaNetDims::new(c, gdn.splits);
+        // No context splits: attention_prefill walks each query tile's keys in one block.
+        let attn_dims = AttentionDims::new(c, self.max_context, 1);
+        let (mut attn_i, mut gdn_i) = (0, 0);
+        for layer in &m.layers {
+            match &layer.mixer {
+                DeviceMixer::DeltaNet {
+                    in_proj,
+                    out_proj,
+                    conv_w,
+                    a_log,
+                    dt_bias,
+                    norm,
+                } => {
+                    self.project(ps, in_proj, x, Some(p(&layer.input_norm)), proj, false, n)?;
+                    self.mark(PrefillPart::Projections)?;
+                    let conv = p(&slot.conv[gdn_i]);
+                    let params = DeltaNetParams {
+                        dims: &gdn_dims,
+                        proj,
+                        conv,
+                        conv_w: p(conv_w),
+                        a_log: p(a_log),
+                        dt_bias: p(dt_bias),
+                        norm: p(norm),
+                        state: p(&slot.recurrent[gdn_i]),
+                        position,
+                        out: core,
+                    };
+                    self.deltanet_chunk(ps, &params, n)?;
+                    self.mark(PrefillPart::DeltaNet)?;
+                    self.project(ps, out_proj, core, None, x, true, n)?;
+                    self.mark(PrefillPart::Projections)?;
+                    gdn_i += 1;
+                }
+                DeviceMixer::Attention {
+                    qkv,
+                    o_proj,
+                    q_norm,
+                    k_norm,
+                } => {
+                    self.project(ps, qkv, x, Some(p(&layer.input_norm)), proj, false, n)?;
+                    self.mark(PrefillPart::Projections)?;
+                    let attn = AttentionBuffers {
+                        proj,
+                        q_norm: p(q_norm),
+                        k_norm: p(k_norm),
+                        position,
+                        q: p(&ps.q),
+                        k_cache: ptr(&slot.kv[attn_i].0, s),
+                        v_cache: ptr(&slot.kv[attn_i].1, s),
+                        out: core,
+                    };
+                    self.attention_chunk(&attn_dims, &attn, n)?;
+                    self.mark(PrefillPart::Attention)?;
+                    self.project(ps, o_proj, core, None, x, true, n)?;
+                    self.mark(PrefillPart::Projections)?;
+                    attn_i += 1;
+                }
+            }
+            self.moe_chunk(ps, layer, x, n)?;
+            self.mark(PrefillPart::Moe)?;
+        }
+        let by = n32;
+        // SAFETY: one thread advances the slot's position.
+        unsafe {
+            self.launch(
+                "advance_position",
+                &self.k.advance_position,
+                cfg(1, 1, 1, 0),
+                &mut [arg(&position), arg(&by)],
+            )
+        }?;
+        state.position += n;
+        state.device_token = None;
+        self.mark(PrefillPart::Projections)?;
+
+        let final_norm = Some(p(&m.final_norm));
+        match which {
+            LogitsFor::All => {
+                let rows = s.alloc_zeros::<f32>(LOGITS_ROWS.min(n) * c.vocab_size)?;
+                let out = ptr(&rows, s);
+                let mut all = Vec::with_capacity(n * c.vocab_size);
+                for first in (0..n).step_by(LOGITS_ROWS) {
+                    let count = LOGITS_ROWS.min(n - first);
+                    let from = x + (first * c.hidden_size * 4) as u64;
+                    self.project(ps, &m.lm_head, from, final_norm, out, false, count)?;
+                    let part = s.clone_dtoh(&rows)?;
+                    all.extend_from_slice(&part[..count * c.vocab_size]);
+                }
+                self.mark(PrefillPart::LmHead)?;
+                Ok(all)
+            }
+            LogitsFor::Last => {
+                let last = x + ((n - 1) * c.hidden_size * 4) as u64;
+                let out = p(&self.scratch.logits);
+                self.project(ps, &m.lm_head, last, final_norm, out, false, 1)?;
+                self.mark(PrefillPart::LmHead)?;
+                Ok(s.clone_dtoh(&self.scratch.logits)?)
+            }
+        }
+    }
+
+    /// One attention layer for a chunk of `n` tokens: attention_prepare (q/k norms, RoPE, the
+    /// cache append), then causal flash attention on tensor cores with the output gate.
+    fn attention_chunk(&self, dims: &AttentionDims, b: &AttentionBuffers, n: usize) -> Result<()> {
+        let c = &self.config;
+        self.attention_prepare(dims, b, n)?;
+        let tiles = n.div_ceil(ATTENTION_QUERY_TILE) as u32;
+        let n32 = n as i32;
+        let smem = attention_prefill_smem(c.head_dim);
+        // SAFETY: q, proj and out hold n rows; the kernel reads cache rows below position + n,
+        // which the host checked against max_context; smem is the kernel's tiles for head_dim,
+        // within the MAX_DYNAMIC_SHARED_BYTES set for it at start-up (see the test below).
+        unsafe {
+            self.launch(
+                "attention_prefill",
+                &self.k.attention_prefill,
+                cfg(
+                    c.num_attention_heads as u32,
+                    tiles,
+                    ATTENTION_PREFILL_THREADS,
+                    smem,
+                ),
+                &mut [
+                    arg(dims),
+                    arg(&b.q),
+                    arg(&b.k_cache),
+                    arg(&b.v_cache),
+                    arg(&b.position),
+                    arg(&b.proj),
+                    arg(&n32),
+                    arg(&b.out),
+                ],
+            )
+        }
+    }
+
+    /// y = W · x for `n` token rows (x RMS-normalised by `norm` when given; added to y when
+    /// `accumulate`): on tensor cores for 4- and 8-bit weights and more than MATVEC_MAX_TOKENS
+    /// rows, else the decode mat-vec per token.
+    #[allow(clippy::too_many_arguments)]
+    fn project(
+        &self,
+        ps: &PrefillScratch,
+        w: &DeviceWeight,
+        x: u64,
+        norm: Option<u64>,
+        y: u64,
+        accumulate: bool,
+        n: usize,
+    ) -> Result<()> {
+        let s = &self.stream;
+        // A few rows (the last position's logits, short prompts) read the weights once either
+        // way, and the mat-vec reads them at full bandwidth without padding the token tile.
+        if on_tensor_cores(w) && n > MATVEC_MAX_TOKENS {
+            let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
+            self.rows_to_half(x, w.cols, norm, w.bits, n, x16, xs)?;
+            self.gemm_rows(w, x16, xs, n, y, accumulate)?;
+        } else {
+            let (desc, norm) = (w.desc(s), norm.unwrap_or(0));
+            let (eps, acc) = (self.config.rms_norm_eps, accumulate as i32);
+            let mut launch = self.matvec_cfg(w);
+            launch.grid_dim.1 = n as u32;
+            // SAFETY: x and y hold n rows of w.cols and w.rows floats.
+            unsafe {
+                self.launch(
+                    "matvec",
+                    &self.k.matvec,
+                    launch,
+                    &mut [
+                        arg(&desc),
+                        arg(&x),
+                        arg(&norm),
+                        arg(&eps),
+                        arg(&y),
+                        arg(&acc),
+                    ],
+                )
+            }?;
+        }
+        Ok(())
+    }
+}
+
+/// Dynamic shared memory of `attention_prefill`: its query, key and value tiles in bf16, rows of
+/// head_dim rounded up to an instantiated width (32, 64, 128 or 256; construction checks that
+/// head_dim is at most 256) plus 8 values of padding.
+fn attention_prefill_smem(head_dim: usize) -> u32 {
+    let width = [32, 64, 128, 256]
+        .into_iter()
+        .find(|&w| head_dim <= w)
+        .unwrap_or(256);
+    ((ATTENTION_QUERY_TILE + 2 * ATTENTION_KEY_TILE) * (width + 8) * 2) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::MAX_DYNAMIC_SHARED_BYTES;
+    use super::*;
+
+    #[test]
+    fn attention_prefill_tiles_fit_two_blocks_per_sm() {
+        // head_dim 256: Q, K and V tiles of 64 rows of 256 + 8 bf16.
+        let full = attention_prefill_smem(256) as usize;
+        assert_eq!(full, 3 * 64 * 264 * 2);
+        assert!(full <= MAX_DYNAMIC_SHARED_BYTES);
+        // An H200 SM has 228 KB of shared memory, 1 KB of it reserved per block.
+        assert!(2 * (full + 1024) <= 228 * 1024);
+        // Other widths round up to an instantiated one.
+        assert_eq!(attention_prefill_smem(32), 3 * 64 * 40 * 2);
+        assert_eq!(attention_prefill_smem(96), attention_prefill_smem(128));
+    }
+}

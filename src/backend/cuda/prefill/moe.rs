@@ -1,0 +1,239 @@
+//! The MoE block over a prefill chunk: with 4- or 8-bit experts, routing, grouping by expert and
+//! the experts' products per tile on tensor cores (`gemm_q_grouped`), all on the GPU; other
+//! formats run the decode kernels with the chunk's tokens along a grid dimension.
+
+use anyhow::Result;
+use cudarc::driver::CudaSlice;
+
+use super::PrefillScratch;
+use crate::backend::cuda::gemm::{
+    GEMM_GROUP_TOKENS, GEMM_ROWS, GEMM_THREADS, gemm_smem_bytes, on_tensor_cores,
+};
+use crate::backend::cuda::weights::{DeviceLayer, DeviceWeight, ptr};
+use crate::backend::cuda::{CudaBackend, MoeBuffers, MoeDims, arg, cfg};
+
+/// Assignments per tile of the grouped MoE product (GROUP_TILE in moe.cu): one block's tokens.
+pub(super) const GROUP_TILE: usize = GEMM_GROUP_TOKENS;
+
+/// Most tiles of GROUP_TILE assignments the experts' runs of a chunk can make.
+pub(super) fn max_group_tiles(c: &crate::config::ModelConfig, chunk: usize) -> usize {
+    (chunk * c.num_experts_per_tok).div_ceil(GROUP_TILE) + c.num_experts
+}
+
+impl CudaBackend {
+    /// The MoE block of a layer for `n` token rows of the residual `x`, added to it.
+    pub(super) fn moe_chunk(
+        &self,
+        ps: &PrefillScratch,
+        layer: &DeviceLayer,
+        x: u64,
+        n: usize,
+    ) -> Result<()> {
+        let experts = [&layer.gate, &layer.up, &layer.down];
+        let shared = [&layer.shared_gate, &layer.shared_up, &layer.shared_down];
+        // One fp16 copy of the normed input serves the gate and up products of all experts, so
+        // they must share a width (its permutation).
+        let bits = layer.gate.bits;
+        if experts
+            .iter()
+            .chain(&shared)
+            .all(|w| on_tensor_cores(w) && w.bits == bits)
+        {
+            self.moe_chunk_grouped(ps, layer, x, n)
+        } else {
+            let s = &self.stream;
+            let buffers = MoeBuffers {
+                router_logits: ptr(&ps.router_logits, s),
+                act: ptr(&ps.act, s),
+                ids: ptr(&ps.ids, s),
+                weights: ptr(&ps.weights, s),
+            };
+            self.moe(layer, &buffers, x, n)
+        }
+    }
+
+    /// The MoE block with the chunk's tokens grouped by expert: every expert's weights are read
+    /// once per chunk and multiplied by all its tokens on tensor cores.
+    fn moe_chunk_grouped(
+        &self,
+        ps: &PrefillScratch,
+        layer: &DeviceLayer,
+        x: u64,
+        n: usize,
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let p = |b: &CudaSlice<f32>| ptr(b, s);
+        let post = p(&layer.post_norm);
+        let router = p(&ps.router_logits);
+        // Router first: a 4-bit router would reuse x16, which then holds the normed input.
+        self.project(ps, &layer.router, x, Some(post), router, false, n)?;
+        let dims = MoeDims::new(c);
+        let (ids, weights) = (ptr(&ps.ids, s), p(&ps.weights));
+        // SAFETY: router_logits, ids and weights hold n rows.
+        unsafe {
+            self.launch(
+                "moe_route",
+                &self.k.moe_route,
+                cfg(n as u32, 1, 32, 0),
+                &mut [arg(&dims), arg(&router), arg(&ids), arg(&weights)],
+            )
+        }?;
+        let (order, tiles, tile_count) =
+            (ptr(&ps.order, s), ptr(&ps.tiles, s), ptr(&ps.tile_count, s));
+        let n32 = n as i32;
+        // SAFETY: order holds n * top_k entries, tiles max_group_tiles triples.
+        unsafe {
+            self.launch(
+                "moe_group",
+                &self.k.moe_group,
+                cfg(1, 1, 1024, 0),
+                &mut [
+                    arg(&dims),
+                    arg(&ids),
+                    arg(&n32),
+                    arg(&order),
+                    arg(&tiles),
+                    arg(&tile_count),
+                ],
+            )
+        }?;
+        // The normed input of every expert, shared included, in fp16.
+        let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
+        self.rows_to_half(x, c.hidden_size, Some(post), layer.gate.bits, n, x16, xs)?;
+        let (gate_rows, up_rows, down_rows) = (p(&ps.gate_rows), p(&ps.up_rows), p(&ps.down_rows));
+        let (act16, actscale) = (ptr(&ps.act16, s), p(&ps.actscale));
+        let top_k = c.num_experts_per_tok as i32;
+        let tiles_max = max_group_tiles(c, self.prefill_chunk) as u32;
+        // One launch for one or two stacked expert matrices with the same rows and inputs (gate
+        // and up: grid.z picks the matrix).
+        let grouped = |w: [&DeviceWeight; 2],
+                       z: u32,
+                       rows: usize,
+                       x: (u64, u64),
+                       in_div: i32,
+                       y: [u64; 2]| {
+            let (desc, desc2) = (w[0].desc(s), w[1].desc(s));
+            let rows32 = rows as i32;
+            let mut launch = cfg(
+                tiles_max,
+                rows.div_ceil(GEMM_ROWS) as u32,
+                GEMM_THREADS,
+                gemm_smem_bytes(w[0].bits, GEMM_GROUP_TOKENS),
+            );
+            launch.grid_dim.2 = z;
+            // SAFETY: tiles and order come from moe_group; y holds a row per assignment.
+            unsafe {
+                self.launch(
+                    "gemm_q_grouped",
+                    &self.k.gemm_q_grouped,
+                    launch,
+                    &mut [
+                        arg(&desc),
+                        arg(&desc2),
+                        arg(&rows32),
+                        arg(&tiles),
+                        arg(&tile_count),
+                        arg(&order),
+                        arg(&in_div),
+                        arg(&x.0),
+                        arg(&x.1),
+                        arg(&y[0]),
+                        arg(&y[1]),
+                    ],
+                )
+            }
+        };
+        let inter = c.moe_intermediate_size;
+        grouped(
+            [&layer.gate, &layer.up],
+            2,
+            inter,
+            (x16, xs),
+            top_k,
+            [gate_rows, up_rows],
+        )?;
+        self.swiglu(
+            gate_rows,
+            up_rows,
+            weights,
+            (top_k, top_k + 1, 0),
+            (inter, layer.down.bits),
+            n * c.num_experts_per_tok,
+            act16,
+            actscale,
+        )?;
+        grouped(
+            [&layer.down, &layer.down],
+            1,
+            c.hidden_size,
+            (act16, actscale),
+            1,
+            [down_rows, down_rows],
+        )?;
+        let hidden32 = c.hidden_size as i32;
+        // SAFETY: down_rows holds n * top_k rows of hidden floats, x n rows.
+        unsafe {
+            self.launch(
+                "add_expert_rows",
+                &self.k.add_expert_rows,
+                cfg(c.hidden_size.div_ceil(256) as u32, n as u32, 256, 0),
+                &mut [arg(&down_rows), arg(&top_k), arg(&hidden32), arg(&x)],
+            )
+        }?;
+
+        // The shared expert, dense over the chunk, weighted by its sigmoid gate.
+        let shared_inter = c.shared_expert_intermediate_size;
+        self.gemm_rows(&layer.shared_gate, x16, xs, n, gate_rows, false)?;
+        self.gemm_rows(&layer.shared_up, x16, xs, n, up_rows, false)?;
+        self.swiglu(
+            gate_rows,
+            up_rows,
+            weights,
+            (1, top_k + 1, top_k),
+            (shared_inter, layer.shared_down.bits),
+            n,
+            act16,
+            actscale,
+        )?;
+        self.gemm_rows(&layer.shared_down, act16, actscale, n, x, true)
+    }
+
+    /// act16 = silu(gate) * up * weight per row, in fp16 with a per-row scale, permuted for the
+    /// `bits`-bit down projection (swiglu_to_half; `pick` = (per, stride, offset) finds each
+    /// row's weight).
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu(
+        &self,
+        gate: u64,
+        up: u64,
+        weights: u64,
+        pick: (i32, i32, i32),
+        (width, bits): (usize, usize),
+        rows: usize,
+        act16: u64,
+        actscale: u64,
+    ) -> Result<()> {
+        let (per, stride, offset) = pick;
+        let (width, bits) = (width as i32, bits as i32);
+        // SAFETY: gate, up, act16 hold `rows` rows of `width`; weights covers every row's pick.
+        unsafe {
+            self.launch(
+                "swiglu_to_half",
+                &self.k.swiglu_to_half,
+                cfg(rows as u32, 1, 256, 0),
+                &mut [
+                    arg(&gate),
+                    arg(&up),
+                    arg(&weights),
+                    arg(&per),
+                    arg(&stride),
+                    arg(&offset),
+                    arg(&width),
+                    arg(&bits),
+                    arg(&act16),
+                    arg(&actscale),
+                ],
+            )
+        }
+    }
+}
