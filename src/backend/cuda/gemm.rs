@@ -166,3 +166,25 @@ impl CudaBackend {
         Ok(products * FLOP_PER_PRODUCT / secs)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::MAX_DYNAMIC_SHARED_BYTES;
+    use super::*;
+
+    #[test]
+    fn gemm_stages_fit_the_shared_memory_they_are_launched_with() {
+        // An H200 SM has 228 KB of shared memory, 1 KB of it reserved per block.
+        let sm = 228 * 1024;
+        let dense = gemm_smem_bytes(4, GEMM_DENSE_TOKENS) as usize;
+        let grouped = gemm_smem_bytes(4, GEMM_GROUP_TOKENS) as usize;
+        // 4-bit products run two dense or three grouped blocks per SM (their register budgets).
+        assert!(2 * (dense + 1024) <= sm, "{dense}");
+        assert!(3 * (grouped + 1024) <= sm, "{grouped}");
+        // 8-bit stages are larger but still launchable.
+        for tokens in [GEMM_DENSE_TOKENS, GEMM_GROUP_TOKENS] {
+            assert!(gemm_smem_bytes(8, tokens) as usize <= MAX_DYNAMIC_SHARED_BYTES);
+            assert!(gemm_smem_bytes(8, tokens) > gemm_smem_bytes(4, tokens));
+        }
+    }
+}
