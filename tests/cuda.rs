@@ -33,6 +33,17 @@ fn fixtures() -> Vec<PathBuf> {
         .collect()
 }
 
+/// The first fixture converted to MLX `bits`-bit with groups of `group_size`, written to `out`.
+fn quantized_fixture(out: &Path, bits: u32, group_size: usize) -> PathBuf {
+    let options = ConvertOptions {
+        spec: QuantSpec::new(bits, group_size).unwrap(),
+        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+        progress: false,
+    };
+    convert(&fixtures()[0], out, &options).unwrap();
+    out.to_path_buf()
+}
+
 fn prompts(dir: &Path) -> Vec<Vec<u32>> {
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
@@ -67,15 +78,8 @@ fn logits_match_the_cpu_backend_within_calibrated_tolerance() {
 fn quantized_logits_match_the_cpu_backend_within_calibrated_tolerance() {
     for (bits, group_size) in [(4, 64), (8, 32), (4, 128)] {
         let tmp = tempfile::tempdir().unwrap();
-        let out = tmp.path().join("q");
-        let options = ConvertOptions {
-            spec: QuantSpec::new(bits, group_size).unwrap(),
-            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-            progress: false,
-        };
-        let src = &fixtures()[0];
-        convert(src, &out, &options).unwrap();
-        std::fs::copy(src.join("golden.json"), out.join("golden.json")).unwrap();
+        let out = quantized_fixture(&tmp.path().join("q"), bits, group_size);
+        std::fs::copy(fixtures()[0].join("golden.json"), out.join("golden.json")).unwrap();
         println!("{bits}-bit, group size {group_size}");
         compare_with_cpu(&out);
     }
@@ -257,13 +261,7 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 fn tensor_core_matmul_matches_the_dequantised_product() {
     for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 64)] {
         let tmp = tempfile::tempdir().unwrap();
-        let out = tmp.path().join("q");
-        let options = ConvertOptions {
-            spec: QuantSpec::new(bits, group_size).unwrap(),
-            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-            progress: false,
-        };
-        convert(&fixtures()[0], &out, &options).unwrap();
+        let out = quantized_fixture(&tmp.path().join("q"), bits, group_size);
         let model = Model::load(&out).unwrap();
         let gpu = cuda(&model, 1);
         let tokens = 77;
@@ -320,14 +318,11 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
     let tmp = tempfile::tempdir().unwrap();
     let mut dirs = vec![fixtures()[0].clone()];
     for bits in [4, 8] {
-        let quantized = tmp.path().join(format!("q{bits}"));
-        let options = ConvertOptions {
-            spec: QuantSpec::new(bits, 64).unwrap(),
-            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-            progress: false,
-        };
-        convert(&fixtures()[0], &quantized, &options).unwrap();
-        dirs.push(quantized);
+        dirs.push(quantized_fixture(
+            &tmp.path().join(format!("q{bits}")),
+            bits,
+            64,
+        ));
     }
     for dir in dirs {
         let model = Arc::new(Model::load(&dir).unwrap());

@@ -770,7 +770,9 @@ impl CudaBackend {
         }
     }
 
-    /// y = W · (x, RMS-normalised by `norm` when given); added to y when `accumulate`.
+    /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y
+    /// (a grid row each); added to y when `accumulate`.
+    #[allow(clippy::too_many_arguments)]
     fn matvec(
         &self,
         w: &DeviceWeight,
@@ -778,14 +780,17 @@ impl CudaBackend {
         norm: Option<u64>,
         y: u64,
         accumulate: bool,
+        tokens: usize,
     ) -> Result<()> {
         let s = &self.stream;
         let desc = w.desc(s);
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
-        let cfg = self.matvec_cfg(w);
-        // SAFETY: buffers sized at construction for these shapes.
+        let mut cfg = self.matvec_cfg(w);
+        cfg.grid_dim.1 = tokens as u32;
+        // SAFETY: x and y hold `tokens` rows of w.cols and w.rows floats (scratch sized at
+        // construction for these shapes).
         unsafe {
             self.launch(
                 "matvec",
@@ -920,7 +925,7 @@ impl CudaBackend {
                     dt_bias,
                     norm,
                 } => {
-                    self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false)?;
+                    self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false, 1)?;
                     let gdn_layer = DeltaNetParams {
                         dims: &gdn_dims,
                         proj,
@@ -934,7 +939,7 @@ impl CudaBackend {
                         out: core,
                     };
                     self.deltanet_step(&gdn_layer, 1)?;
-                    self.matvec(out_proj, core, None, x, true)?;
+                    self.matvec(out_proj, core, None, x, true, 1)?;
                     gdn_i += 1;
                 }
                 DeviceMixer::Attention {
@@ -943,7 +948,7 @@ impl CudaBackend {
                     q_norm,
                     k_norm,
                 } => {
-                    self.matvec(qkv, x, Some(p(&layer.input_norm)), proj, false)?;
+                    self.matvec(qkv, x, Some(p(&layer.input_norm)), proj, false, 1)?;
                     let attn = AttentionBuffers {
                         proj,
                         q_norm: p(q_norm),
@@ -960,14 +965,14 @@ impl CudaBackend {
                         out: p(&sc.part_out),
                     };
                     self.attention(&attn_dims, &attn, &splits, 1)?;
-                    self.matvec(o_proj, core, None, x, true)?;
+                    self.matvec(o_proj, core, None, x, true, 1)?;
                     attn_i += 1;
                 }
             }
             self.moe(layer, &moe_buffers, x, 1)?;
         }
         let logits = p(&sc.logits);
-        self.matvec(&m.lm_head, x, Some(p(&m.final_norm)), logits, false)?;
+        self.matvec(&m.lm_head, x, Some(p(&m.final_norm)), logits, false, 1)?;
         let n = c.vocab_size as i32;
         match end {
             StepEnd::Greedy => {
@@ -1456,10 +1461,8 @@ impl Backend for CudaBackend {
         let chunks = tokens.chunks(self.prefill_chunk);
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.enumerate() {
-            let logits = self.prefill_chunk(state, chunk, which)?;
-            if which == LogitsFor::All || i == last {
-                out.extend(logits);
-            }
+            let wanted = (which == LogitsFor::All || i == last).then_some(which);
+            out.extend(self.prefill_chunk(state, chunk, wanted)?);
         }
         Ok(out)
     }

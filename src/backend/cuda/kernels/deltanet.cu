@@ -474,6 +474,27 @@ __device__ __forceinline__ void warp_product_3xtf32(float (&acc)[NT][4], int kst
 __device__ __forceinline__ int gdn_acc_row(int r) { return ((threadIdx.x & 31) >> 2) + 8 * (r >> 1); }
 __device__ __forceinline__ int gdn_acc_col(int r) { return 2 * (threadIdx.x & 3) + (r & 1); }
 
+// The block's 8 warps: out[i, j] = weight(i, j, x_i . k_j) for the sub-chunk's 64 x 64 token
+// pairs, x and k tiles of 64 rows of kd values `stride` apart; warp w computes rows
+// 16 (w / 2) .. + 16, columns 32 (w % 2) .. + 32. `weight` applies the mask and the decays.
+template <typename Weight>
+__device__ __forceinline__ void token_pair_products(const float* x_tile, const float* k_tile, int stride, int kd,
+                                                    float* out, Weight weight) {
+    const int warp = threadIdx.x >> 5;
+    const int i0 = 16 * (warp >> 1), j0 = 32 * (warp & 1);
+    float acc[4][4] = {};
+    warp_product_3xtf32<4>(
+        acc, kd / 8, [&](int r, int k) { return x_tile[(i0 + r) * stride + k]; },
+        [&](int k, int c) { return k_tile[(j0 + c) * stride + k]; });
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int i = i0 + gdn_acc_row(r), j = j0 + 8 * n + gdn_acc_col(r);
+            out[i * GDN_A_STRIDE + j] = weight(i, j, acc[n][r]);
+        }
+}
+
 // Per (value head h, sub-chunk): the cumulative log decays gcum[t, h] = G_t of its tokens, and
 // W = T (beta exp(G) K) into w[t, h, :key_dim], U = T (beta V) into values[t, h, :value_dim]
 // (every row of the sub-chunk: missing tokens get zeros, so the buffers hold whole sub-chunks).
@@ -527,22 +548,10 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
         if (t < present) gcum[(size_t)(t0 + t) * heads + h] = G[t];
     }
 
-    // A: warp w computes rows 16 (w / 2) .. + 16, columns 32 (w % 2) .. + 32 of K K^T.
-    {
-        const int warp = threadIdx.x >> 5;
-        const int i0 = 16 * (warp >> 1), j0 = 32 * (warp & 1);
-        float acc[4][4] = {};
-        warp_product_3xtf32<4>(
-            acc, kd / 8, [&](int r, int k) { return k_tile[(i0 + r) * k_stride + k]; },
-            [&](int k, int c) { return k_tile[(j0 + c) * k_stride + k]; });
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int i = i0 + gdn_acc_row(r), j = j0 + 8 * n + gdn_acc_col(r);
-                a_tile[i * GDN_A_STRIDE + j] = j < i ? beta[i] * expf((float)(G[i] - G[j])) * acc[n][r] : 0.0f;
-            }
-    }
+    // A[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) below the diagonal.
+    token_pair_products(k_tile, k_tile, k_stride, kd, a_tile, [&](int i, int j, float kk) {
+        return j < i ? beta[i] * expf((float)(G[i] - G[j])) * kk : 0.0f;
+    });
     __syncthreads();
 
     // Forward substitution: x_i = rhs_i - sum_{j < i} A[i, j] x_j down one column of [W | U]
@@ -743,21 +752,10 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNet
     cp_async_wait<0>();
     __syncthreads();
 
-    {
-        const int i0 = 16 * (warp >> 1), j0 = 32 * (warp & 1);
-        float acc[4][4] = {};
-        warp_product_3xtf32<4>(
-            acc, kd / 8, [&](int r, int k) { return q_tile[(i0 + r) * k_stride + k]; },
-            [&](int k, int c) { return k_tile[(j0 + c) * k_stride + k]; });
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int i = i0 + gdn_acc_row(r), j = j0 + 8 * n + gdn_acc_col(r);
-                // (A missing token's G stands in as 0: it must not meet a present one's.)
-                p_tile[i * GDN_A_STRIDE + j] = j <= i && i < present ? expf((float)(G[i] - G[j])) * acc[n][r] : 0.0f;
-            }
-    }
+    // (A missing token's G stands in as 0: it must not meet a present one's.)
+    token_pair_products(q_tile, k_tile, k_stride, kd, p_tile, [&](int i, int j, float qk) {
+        return j <= i && i < present ? expf((float)(G[i] - G[j])) * qk : 0.0f;
+    });
     __syncthreads(); // Q and K are free
 
     // deltanet_chunk_state wrote whole sub-chunks of V'.

@@ -128,12 +128,12 @@ impl PrefillScratch {
 
 impl CudaBackend {
     /// Runs `tokens` (at most the prefill chunk) from the state's position and returns the logits of
-    /// every token (`LogitsFor::All`) or of the last.
+    /// every token (`LogitsFor::All`), of the last, or none (a chunk before a prompt's last).
     pub(super) fn prefill_chunk(
         &self,
         state: &mut CudaState,
         tokens: &[u32],
-        which: LogitsFor,
+        which: Option<LogitsFor>,
     ) -> Result<Vec<f32>> {
         let n = tokens.len();
         ensure!(
@@ -269,7 +269,8 @@ impl CudaBackend {
 
         let final_norm = Some(p(&m.final_norm));
         match which {
-            LogitsFor::All => {
+            None => Ok(Vec::new()),
+            Some(LogitsFor::All) => {
                 let rows = s.alloc_zeros::<f32>(LOGITS_ROWS.min(n) * c.vocab_size)?;
                 let out = ptr(&rows, s);
                 let mut all = Vec::with_capacity(n * c.vocab_size);
@@ -283,7 +284,7 @@ impl CudaBackend {
                 self.mark(PrefillPart::LmHead)?;
                 Ok(all)
             }
-            LogitsFor::Last => {
+            Some(LogitsFor::Last) => {
                 let last = x + ((n - 1) * c.hidden_size * 4) as u64;
                 let out = p(&self.scratch.logits);
                 self.project(ps, &m.lm_head, last, final_norm, out, false, 1)?;
@@ -350,26 +351,7 @@ impl CudaBackend {
             self.rows_to_half(x, w.cols, norm, w.bits, n, x16, xs)?;
             self.gemm_rows(w, x16, xs, n, y, accumulate)?;
         } else {
-            let (desc, norm) = (w.desc(s), norm.unwrap_or(0));
-            let (eps, acc) = (self.config.rms_norm_eps, accumulate as i32);
-            let mut launch = self.matvec_cfg(w);
-            launch.grid_dim.1 = n as u32;
-            // SAFETY: x and y hold n rows of w.cols and w.rows floats.
-            unsafe {
-                self.launch(
-                    "matvec",
-                    &self.k.matvec,
-                    launch,
-                    &mut [
-                        arg(&desc),
-                        arg(&x),
-                        arg(&norm),
-                        arg(&eps),
-                        arg(&y),
-                        arg(&acc),
-                    ],
-                )
-            }?;
+            self.matvec(w, x, norm, y, accumulate, n)?;
         }
         Ok(())
     }
