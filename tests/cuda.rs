@@ -13,7 +13,9 @@ use std::sync::Arc;
 use lily::backend::cpu::CpuBackend;
 use lily::backend::cuda::{CudaBackend, CudaOptions, DEFAULT_PREFILL_CHUNK};
 use lily::backend::{Backend, DeviceDraw, LogitsFor, argmax};
+use lily::config::ModelConfig;
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
+use lily::model::demo::{demo_config_json, random_model};
 use lily::model::{Model, Storage};
 use lily::quant::QuantSpec;
 
@@ -375,5 +377,46 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
             spread_logits = cpu_bf16.decode(&mut [&mut c16], &[next]).unwrap();
             got = gpu.decode(&mut [&mut g], &[next]).unwrap();
         }
+    }
+}
+
+/// DeltaNet heads the chunkwise kernels do not take (key_dim 16, value_dim 24: not whole 16-wide
+/// tiles) run their prefill recurrence in `deltanet_scan` and decode in `deltanet_step` split
+/// over two-block clusters: a 100-token prompt's logits at every position, then greedy decode,
+/// against the CPU on random weights of that shape.
+#[test]
+fn deltanet_heads_outside_the_chunkwise_kernels_match_the_cpu() {
+    let mut config = demo_config_json();
+    config["linear_key_head_dim"] = 16.into();
+    config["linear_value_head_dim"] = 24.into();
+    let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
+    let model = Arc::new(random_model(config).unwrap());
+    let cpu = CpuBackend::new(model.clone());
+    let cpu_bf16 = CpuBackend::with_bf16_activations(model.clone());
+    let gpu = cuda(&model, 1);
+    let vocab = model.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..100u32).map(|i| (i * 37 + 11) % vocab).collect();
+    let (mut c, mut c16, mut g) = (
+        cpu.new_state().unwrap(),
+        cpu_bf16.new_state().unwrap(),
+        gpu.new_state().unwrap(),
+    );
+    let mut want = cpu.prefill(&mut c, &prompt, LogitsFor::All).unwrap();
+    let mut spread_logits = cpu_bf16.prefill(&mut c16, &prompt, LogitsFor::All).unwrap();
+    let mut got = gpu.prefill(&mut g, &prompt, LogitsFor::All).unwrap();
+    for step in 0..4 {
+        let spread = relative_error(&spread_logits, &want);
+        let err = relative_error(&got, &want);
+        println!(
+            "key_dim 16, value_dim 24: step {step}: GPU error {err:.2e}, bf16 spread {spread:.2e}"
+        );
+        assert!(
+            err <= SPREADS * spread,
+            "step {step}: error {err} above {SPREADS} x spread {spread}"
+        );
+        let next = argmax(&want[want.len() - vocab as usize..]);
+        want = cpu.decode(&mut [&mut c], &[next]).unwrap();
+        spread_logits = cpu_bf16.decode(&mut [&mut c16], &[next]).unwrap();
+        got = gpu.decode(&mut [&mut g], &[next]).unwrap();
     }
 }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use lily::backend::cpu::CpuBackend;
 use lily::backend::{Backend, LogitsFor, argmax};
+use lily::config::ModelConfig;
 use lily::model::Model;
+use lily::model::demo::{demo_config_json, random_model};
 use safetensors::SafeTensors;
 
 /// The tolerance of the issue: max |Δ| over max |golden| per prompt.
@@ -177,4 +179,30 @@ fn out_of_vocabulary_token_is_an_error() {
         .prefill(&mut state, &[1, vocab], LogitsFor::Last)
         .unwrap_err();
     assert!(err.to_string().contains("outside the vocabulary"));
+}
+
+/// Layouts the fixtures do not have (DeltaNet key and value heads of different widths, one KV
+/// head, top-3 routing, a wider expert) on random weights: the chunked prefill path agrees with
+/// token-by-token decode.
+#[test]
+fn prefill_equals_decode_for_other_layouts() {
+    let layouts = [
+        serde_json::json!({"linear_key_head_dim": 16, "linear_value_head_dim": 24}),
+        serde_json::json!({"num_key_value_heads": 1, "num_experts_per_tok": 3, "moe_intermediate_size": 96}),
+    ];
+    for layout in layouts {
+        let mut config = demo_config_json();
+        for (key, value) in layout.as_object().unwrap() {
+            config[key] = value.clone();
+        }
+        let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
+        let b = CpuBackend::new(Arc::new(random_model(config).unwrap()));
+        let vocab = b.config().vocab_size;
+        let prompt: Vec<u32> = (0..80u32).map(|i| (i * 37 + 11) % vocab as u32).collect();
+        let only_decode = decode_logits(&b, &prompt);
+        let mut state = b.new_state().unwrap();
+        let got = b.prefill(&mut state, &prompt, LogitsFor::All).unwrap();
+        let err = relative_error(&got, &only_decode);
+        assert!(err < TOLERANCE, "{layout}: {err}");
+    }
 }

@@ -55,11 +55,9 @@ pub struct Demo {
 
 /// Builds the demo (a few milliseconds; the weights take about 1 MB).
 pub fn demo() -> Result<Demo> {
-    let config = ModelConfig::from_json_str(&config_json().to_string())
+    let config = ModelConfig::from_json_str(&demo_config_json().to_string())
         .context("the demo model's configuration")?;
-    let safetensors = weights(&config)?;
-    let checkpoint = Checkpoint::from_memory(DEMO_MODEL_NAME, &safetensors)?;
-    let model = Model::from_checkpoint(config, &checkpoint).context("the demo model's weights")?;
+    let model = random_model(config).context("the demo model")?;
     let tokenizer = Tokenizer::from_json(&tokenizer_json().to_string())?;
     let eos_token_ids = model.config.eos_token_ids.clone();
     Ok(Demo {
@@ -70,6 +68,14 @@ pub fn demo() -> Result<Demo> {
     })
 }
 
+/// A model with the demo's kind of deterministic random weights for any configuration: tests
+/// use it for shapes the checked-in fixtures do not have (start from [`demo_config_json`]).
+pub fn random_model(config: ModelConfig) -> Result<Model> {
+    let safetensors = weights(&config)?;
+    let checkpoint = Checkpoint::from_memory(DEMO_MODEL_NAME, &safetensors)?;
+    Model::from_checkpoint(config, &checkpoint).context("random weights")
+}
+
 fn added_token_id(content: &str) -> u32 {
     let index = ADDED_TOKENS
         .iter()
@@ -78,8 +84,8 @@ fn added_token_id(content: &str) -> u32 {
     (BYTE_TOKENS + index) as u32
 }
 
-/// A text-only `config.json` in the real model's proportions, scaled down.
-fn config_json() -> Value {
+/// The demo's text-only `config.json`: the real model's proportions, scaled down.
+pub fn demo_config_json() -> Value {
     json!({
         "model_type": "qwen3_5_moe_text",
         "vocab_size": VOCAB_SIZE,
