@@ -3,7 +3,9 @@
 #   1. every kernel compiles (NVRTC, sm_90a);
 #   2. tests/cuda.rs: CUDA vs CPU backend on the tiny fixtures, logits within 3x the calibrated
 #      bf16 spread, device argmax, forks, slots, context limit;
-#   3. compute-sanitizer (memcheck) on a short prefill + decode, greedy and sampled;
+#   3. compute-sanitizer (memcheck) on a short prefill + decode, greedy and sampled, and on a
+#      700-token prompt of the 4-bit fixture (the tensor-core products, grouped experts, chunkwise
+#      DeltaNet and flash attention of batched prefill);
 #   4. scripts/gpu_transformers_check.py: lily (CPU and CUDA) vs transformers on a full-width
 #      Qwen3.6-35B-A3B truncated to 4 layers with random weights.
 # Binaries are built here (no cargo on the GPU machine) and carried:
@@ -38,6 +40,11 @@ step sanitizer-greedy compute-sanitizer --error-exitcode 1 --tool memcheck \
 step sanitizer-sampled compute-sanitizer --error-exitcode 1 --tool memcheck \
     "$lily" generate --model "$fixture" --prompt-ids 1,2,3,4,5 --max-tokens 8 --json --device cuda \
     --temperature 0.8 --top-p 0.9 --seed 1
+q4="$(mktemp -d)/q4"
+step convert-q4 "$lily" convert --model "$fixture" --out "$q4" --bits 4 --group-size 64
+long_prompt="$(seq -s, 1 700 | awk -F, '{for (i = 1; i <= NF; i++) printf "%s%d", (i > 1 ? "," : ""), ($i * 37) % 200 + 1}')"
+step sanitizer-long-prompt compute-sanitizer --error-exitcode 1 --tool memcheck \
+    "$lily" generate --model "$q4" --prompt-ids "$long_prompt" --max-tokens 4 --json --device cuda
 step transformers python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-trunc
 grep -h "GPU error\|relative error" "$log"/*.log
 exit $status
