@@ -1,0 +1,407 @@
+//! The decode step: what one token's pass through the model launches, recorded once per
+//! sequence slot and replayed as a CUDA graph. Its layer parts (the DeltaNet step, attention
+//! through the context splits, the MoE kernels) also serve prefill for weights the tensor-core
+//! products do not take, with the chunk's tokens along a grid dimension.
+
+use anyhow::{Context, Result};
+use cudarc::driver::CudaSlice;
+
+use super::weights::{self, DeviceMixer, ptr};
+use super::{
+    ARGMAX_BLOCKS, ATTENTION_CHUNK, ATTENTION_SPLITS, ATTENTION_THREADS, AttentionBuffers,
+    AttentionDims, AttentionSplits, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams,
+    DeltaNetShape, GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN,
+    SAMPLE_THREADS, Slot, StepEnd, arg, cfg, moe_down_smem, staged_bytes,
+};
+
+impl CudaBackend {
+    /// Issues one decode step for `slot` on the stream (for capture into a graph).
+    pub(super) fn record_step(&self, slot: &Slot, end: StepEnd) -> Result<()> {
+        let (c, s, sc, m) = (&self.config, &self.stream, &self.scratch, &self.model);
+        let p = |x: &CudaSlice<f32>| ptr(x, s);
+        let (x, proj, core) = (p(&sc.x), p(&sc.proj), p(&sc.core));
+        let position = ptr(&slot.position, s);
+        let token = ptr(&slot.token, s);
+
+        let embed = m.embed.desc(s);
+        // SAFETY: x holds hidden_size floats; the token is checked on the host.
+        unsafe {
+            self.launch(
+                "embed",
+                &self.k.embed,
+                cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0),
+                &mut [arg(&embed), arg(&token), arg(&x)],
+            )
+        }?;
+
+        let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
+        let gdn_dims = DeltaNetDims::new(c, gdn.splits);
+        let attn_dims = AttentionDims::new(c, self.max_context, ATTENTION_SPLITS);
+        let moe_buffers = MoeBuffers {
+            router_logits: p(&sc.router_logits),
+            act: p(&sc.act),
+            ids: ptr(&sc.ids, s),
+            weights: p(&sc.weights),
+        };
+
+        let (mut attn_i, mut gdn_i) = (0, 0);
+        for layer in &m.layers {
+            match &layer.mixer {
+                DeviceMixer::DeltaNet {
+                    in_proj,
+                    out_proj,
+                    conv_w,
+                    a_log,
+                    dt_bias,
+                    norm,
+                } => {
+                    self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false, 1)?;
+                    let gdn_layer = DeltaNetParams {
+                        dims: &gdn_dims,
+                        proj,
+                        conv: p(&slot.conv[gdn_i]),
+                        conv_w: p(conv_w),
+                        a_log: p(a_log),
+                        dt_bias: p(dt_bias),
+                        norm: p(norm),
+                        state: p(&slot.recurrent[gdn_i]),
+                        position,
+                        out: core,
+                    };
+                    self.deltanet_step(&gdn_layer, 1)?;
+                    self.matvec(out_proj, core, None, x, true, 1)?;
+                    gdn_i += 1;
+                }
+                DeviceMixer::Attention {
+                    qkv,
+                    o_proj,
+                    q_norm,
+                    k_norm,
+                } => {
+                    self.matvec(qkv, x, Some(p(&layer.input_norm)), proj, false, 1)?;
+                    let attn = AttentionBuffers {
+                        proj,
+                        q_norm: p(q_norm),
+                        k_norm: p(k_norm),
+                        position,
+                        q: p(&sc.q),
+                        k_cache: ptr(&slot.kv[attn_i].0, s),
+                        v_cache: ptr(&slot.kv[attn_i].1, s),
+                        out: core,
+                    };
+                    let splits = AttentionSplits {
+                        max: p(&sc.part_max),
+                        sum: p(&sc.part_sum),
+                        out: p(&sc.part_out),
+                    };
+                    self.attention(&attn_dims, &attn, &splits, 1)?;
+                    self.matvec(o_proj, core, None, x, true, 1)?;
+                    attn_i += 1;
+                }
+            }
+            self.moe(layer, &moe_buffers, x, 1)?;
+        }
+        let logits = p(&sc.logits);
+        self.matvec(&m.lm_head, x, Some(p(&m.final_norm)), logits, false, 1)?;
+        let n = c.vocab_size as i32;
+        match end {
+            StepEnd::Greedy => {
+                let (av, ai) = (p(&sc.arg_val), ptr(&sc.arg_idx, s));
+                // SAFETY: partial buffers hold ARGMAX_BLOCKS entries.
+                unsafe {
+                    self.launch(
+                        "argmax_partial",
+                        &self.k.argmax_partial,
+                        cfg(ARGMAX_BLOCKS as u32, 1, 256, 0),
+                        &mut [arg(&logits), arg(&n), arg(&av), arg(&ai)],
+                    )
+                }?;
+                let parts = ARGMAX_BLOCKS as i32;
+                // SAFETY: one warp over the partials.
+                unsafe {
+                    self.launch(
+                        "argmax_final",
+                        &self.k.argmax_final,
+                        cfg(1, 1, 32, 0),
+                        &mut [arg(&av), arg(&ai), arg(&parts), arg(&token), arg(&position)],
+                    )
+                }?;
+            }
+            StepEnd::Sampled => {
+                let desc = ptr(&slot.sampling, s);
+                // SAFETY: one block over the vocabulary's logits; desc is the slot's settings.
+                unsafe {
+                    self.launch(
+                        "sample_token",
+                        &self.k.sample_token,
+                        cfg(1, 1, SAMPLE_THREADS, 0),
+                        &mut [
+                            arg(&logits),
+                            arg(&n),
+                            arg(&desc),
+                            arg(&token),
+                            arg(&position),
+                        ],
+                    )
+                }?;
+            }
+            StepEnd::Logits => {
+                // SAFETY: one thread increments the slot's position.
+                unsafe {
+                    self.launch(
+                        "advance_position",
+                        &self.k.advance_position,
+                        cfg(1, 1, 1, 0),
+                        &mut [arg(&position), arg(&ONE_TOKEN)],
+                    )
+                }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One DeltaNet layer's recurrence for `tokens` tokens with `deltanet_step` (conv, norms,
+    /// gates, state update and gated norm, token by token inside the kernel).
+    pub(super) fn deltanet_step(&self, l: &DeltaNetParams, tokens: usize) -> Result<()> {
+        let c = &self.config;
+        let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
+        let tokens = tokens as i32;
+        // SAFETY: shapes checked at construction; proj and out hold a row per token; the grid is
+        // whole clusters.
+        unsafe {
+            self.launch_clusters(
+                "deltanet_step",
+                &self.k.deltanet_step,
+                cfg(
+                    (c.linear_num_value_heads * gdn.splits) as u32,
+                    1,
+                    gdn.threads as u32,
+                    gdn.smem as u32,
+                ),
+                gdn.splits as u32,
+                &mut [
+                    arg(l.dims),
+                    arg(&l.proj),
+                    arg(&l.conv),
+                    arg(&l.conv_w),
+                    arg(&l.a_log),
+                    arg(&l.dt_bias),
+                    arg(&l.norm),
+                    arg(&l.state),
+                    arg(&l.position),
+                    arg(&tokens),
+                    arg(&l.out),
+                ],
+            )
+        }?;
+        Ok(())
+    }
+
+    /// q/k norms, RoPE and the cache append for `tokens` tokens at consecutive positions.
+    pub(super) fn attention_prepare(
+        &self,
+        dims: &AttentionDims,
+        b: &AttentionBuffers,
+        tokens: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let blocks = (c.num_attention_heads + c.num_key_value_heads) as u32;
+        // SAFETY: the host checks every position against max_context; q and proj hold a row per
+        // token.
+        unsafe {
+            self.launch(
+                "attention_prepare",
+                &self.k.attention_prepare,
+                cfg(
+                    blocks,
+                    tokens as u32,
+                    c.head_dim as u32,
+                    (c.head_dim * 4) as u32,
+                ),
+                &mut [
+                    arg(dims),
+                    arg(&b.proj),
+                    arg(&b.q_norm),
+                    arg(&b.k_norm),
+                    arg(&b.position),
+                    arg(&b.q),
+                    arg(&b.k_cache),
+                    arg(&b.v_cache),
+                ],
+            )
+        }
+    }
+
+    /// One attention layer for `tokens` tokens at consecutive positions through the decode
+    /// kernels: attention_prepare, the context splits, their merge with the output gate.
+    pub(super) fn attention(
+        &self,
+        dims: &AttentionDims,
+        b: &AttentionBuffers,
+        parts: &AttentionSplits,
+        tokens: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        self.attention_prepare(dims, b, tokens)?;
+        let tokens = tokens as u32;
+        // SAFETY: q, proj and out hold a row per token, the split buffers tokens * heads *
+        // dims.splits entries (of head_dim floats for `out`).
+        unsafe {
+            let mut split = cfg(
+                c.num_key_value_heads as u32,
+                dims.splits as u32,
+                ATTENTION_THREADS,
+                (ATTENTION_CHUNK * c.head_dim * 2) as u32,
+            );
+            split.grid_dim.2 = tokens;
+            self.launch(
+                "attention_split",
+                &self.k.attention_split,
+                split,
+                &mut [
+                    arg(dims),
+                    arg(&b.q),
+                    arg(&b.k_cache),
+                    arg(&b.v_cache),
+                    arg(&b.position),
+                    arg(&parts.max),
+                    arg(&parts.sum),
+                    arg(&parts.out),
+                ],
+            )?;
+            self.launch(
+                "attention_combine",
+                &self.k.attention_combine,
+                cfg(c.num_attention_heads as u32, tokens, c.head_dim as u32, 0),
+                &mut [
+                    arg(dims),
+                    arg(&b.proj),
+                    arg(&b.position),
+                    arg(&parts.max),
+                    arg(&parts.sum),
+                    arg(&parts.out),
+                    arg(&b.out),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The MoE block of a layer for `tokens` rows of the residual `x`, added to it, through the
+    /// decode kernels (the tokens along the grid's z dimension); `b` holds a row per token.
+    pub(super) fn moe(
+        &self,
+        layer: &weights::DeviceLayer,
+        b: &MoeBuffers,
+        x: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let post = ptr(&layer.post_norm, s);
+        let dims = MoeDims::new(c);
+        let (router, act, ids, weights) = (b.router_logits, b.act, b.ids, b.weights);
+        let (r, g, u, sg, su) = (
+            layer.router.desc(s),
+            layer.gate.desc(s),
+            layer.up.desc(s),
+            layer.shared_gate.desc(s),
+            layer.shared_up.desc(s),
+        );
+        let smem = staged_bytes(&[c.hidden_size]);
+        let warps = MATVEC_THREADS as usize / 32;
+        let gate_up_blocks = |rows: usize| rows.div_ceil(warps * GATE_UP_ROWS_PER_WARP);
+        let blocks = layer
+            .router
+            .rows
+            .div_ceil(warps)
+            .max(gate_up_blocks(c.shared_expert_intermediate_size)) as u32;
+        let mut launch = cfg(blocks, 2, MATVEC_THREADS, smem);
+        launch.grid_dim.2 = tokens as u32;
+        // SAFETY: per token, router_logits holds experts + 1 floats, act (top_k + 1) * inter.
+        unsafe {
+            self.launch(
+                "moe_router_shared",
+                &self.k.moe_router_shared,
+                launch,
+                &mut [
+                    arg(&dims),
+                    arg(&r),
+                    arg(&sg),
+                    arg(&su),
+                    arg(&x),
+                    arg(&post),
+                    arg(&router),
+                    arg(&act),
+                ],
+            )
+        }?;
+        let mut launch = cfg(
+            gate_up_blocks(c.moe_intermediate_size) as u32,
+            c.num_experts_per_tok as u32,
+            MATVEC_THREADS,
+            smem,
+        );
+        launch.grid_dim.2 = tokens as u32;
+        // SAFETY: as above; ids and weights hold top_k + 1 entries per token.
+        unsafe {
+            self.launch(
+                "moe_gate_up",
+                &self.k.moe_gate_up,
+                launch,
+                &mut [
+                    arg(&dims),
+                    arg(&g),
+                    arg(&u),
+                    arg(&x),
+                    arg(&post),
+                    arg(&router),
+                    arg(&act),
+                    arg(&ids),
+                    arg(&weights),
+                ],
+            )
+        }?;
+        self.moe_down_launch(layer, &dims, act, ids, weights, x, tokens)
+    }
+
+    /// `moe_down` for `tokens` rows: every slot's down projection, weighted, added to the
+    /// residual rows `x`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_down_launch(
+        &self,
+        layer: &weights::DeviceLayer,
+        dims: &MoeDims,
+        act: u64,
+        ids: u64,
+        weights: u64,
+        x: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
+        let smem = moe_down_smem(c);
+        let blocks =
+            c.hidden_size
+                .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
+        let mut launch = cfg(blocks, 1, MATVEC_THREADS, smem);
+        launch.grid_dim.2 = tokens as u32;
+        // SAFETY: act, ids and weights hold `tokens` rows; each output row is owned by one warp.
+        unsafe {
+            self.launch(
+                "moe_down",
+                &self.k.moe_down,
+                launch,
+                &mut [
+                    arg(dims),
+                    arg(&d),
+                    arg(&sd),
+                    arg(&act),
+                    arg(&ids),
+                    arg(&weights),
+                    arg(&x),
+                ],
+            )
+        }?;
+        Ok(())
+    }
+}
