@@ -1,9 +1,11 @@
 //! The CUDA backend (H200, sm_90a): hand-written kernels for batch-1 decode, replayed as CUDA
-//! graphs.
+//! graphs, and tensor-core kernels for prefill.
 //!
 //! A decode step is one graph: embedding; per layer a fused input-norm + projection mat-vec,
 //! the fused Gated DeltaNet step or the attention kernels, the output projection added to the
-//! residual, then the router mat-vec and the two MoE kernels; final norm + lm_head; argmax. Every
+//! residual, then the MoE's three kernels (router with the shared expert, the routed experts'
+//! gate/up, every expert's down added to the residual); final norm + lm_head; argmax or a
+//! sampled draw. Every
 //! step-dependent value (position, input token) lives in device memory, so the graph captured
 //! for a sequence slot is replayed unchanged and no host synchronisation happens inside a step.
 //!
