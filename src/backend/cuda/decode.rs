@@ -56,18 +56,9 @@ impl CudaBackend {
                     norm,
                 } => {
                     self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false, 1)?;
-                    let gdn_layer = DeltaNetParams {
-                        dims: &gdn_dims,
-                        proj,
-                        conv: p(&slot.conv[gdn_i]),
-                        conv_w: p(conv_w),
-                        a_log: p(a_log),
-                        dt_bias: p(dt_bias),
-                        norm: p(norm),
-                        state: p(&slot.recurrent[gdn_i]),
-                        position,
-                        out: core,
-                    };
+                    let weights = [conv_w, a_log, dt_bias, norm];
+                    let gdn_layer =
+                        DeltaNetParams::new(&gdn_dims, weights, slot, gdn_i, proj, core, s);
                     self.deltanet_step(&gdn_layer, 1)?;
                     self.matvec(out_proj, core, None, x, true, 1)?;
                     gdn_i += 1;
@@ -79,16 +70,8 @@ impl CudaBackend {
                     k_norm,
                 } => {
                     self.matvec(qkv, x, Some(p(&layer.input_norm)), proj, false, 1)?;
-                    let attn = AttentionBuffers {
-                        proj,
-                        q_norm: p(q_norm),
-                        k_norm: p(k_norm),
-                        position,
-                        q: p(&sc.q),
-                        k_cache: ptr(&slot.kv[attn_i].0, s),
-                        v_cache: ptr(&slot.kv[attn_i].1, s),
-                        out: core,
-                    };
+                    let norms = [q_norm, k_norm];
+                    let attn = AttentionBuffers::new(norms, slot, attn_i, proj, p(&sc.q), core, s);
                     let splits = AttentionSplits {
                         max: p(&sc.part_max),
                         sum: p(&sc.part_sum),

@@ -35,7 +35,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
-use self::weights::{DeviceModel, DeviceWeight, WeightFormat};
+use self::weights::{DeviceModel, DeviceWeight, WeightFormat, ptr};
 use super::{Backend, DeviceDraw, LogitsFor};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
@@ -186,6 +186,34 @@ struct DeltaNetParams<'a> {
     out: u64,
 }
 
+impl<'a> DeltaNetParams<'a> {
+    /// The buffers of the slot's `i`-th DeltaNet layer, whose weights are `[conv_w, a_log,
+    /// dt_bias, norm]`: its projections read from `proj`, its gated output written to `out`.
+    fn new(
+        dims: &'a DeltaNetDims,
+        [conv_w, a_log, dt_bias, norm]: [&CudaSlice<f32>; 4],
+        slot: &Slot,
+        i: usize,
+        proj: u64,
+        out: u64,
+        s: &CudaStream,
+    ) -> Self {
+        let p = |x: &CudaSlice<f32>| ptr(x, s);
+        Self {
+            dims,
+            proj,
+            conv: p(&slot.conv[i]),
+            conv_w: p(conv_w),
+            a_log: p(a_log),
+            dt_bias: p(dt_bias),
+            norm: p(norm),
+            state: p(&slot.recurrent[i]),
+            position: ptr(&slot.position, s),
+            out,
+        }
+    }
+}
+
 /// The buffers of one attention layer's launches (device addresses).
 struct AttentionBuffers {
     proj: u64,
@@ -196,6 +224,33 @@ struct AttentionBuffers {
     k_cache: u64,
     v_cache: u64,
     out: u64,
+}
+
+impl AttentionBuffers {
+    /// The buffers of the slot's `i`-th attention layer, whose q/k norm weights are `[q_norm,
+    /// k_norm]`: its projections read from `proj`, the prepared queries kept in `q`, its gated
+    /// output written to `out`.
+    fn new(
+        [q_norm, k_norm]: [&CudaSlice<f32>; 2],
+        slot: &Slot,
+        i: usize,
+        proj: u64,
+        q: u64,
+        out: u64,
+        s: &CudaStream,
+    ) -> Self {
+        let (k_cache, v_cache) = &slot.kv[i];
+        Self {
+            proj,
+            q_norm: ptr(q_norm, s),
+            k_norm: ptr(k_norm, s),
+            position: ptr(&slot.position, s),
+            q,
+            k_cache: ptr(k_cache, s),
+            v_cache: ptr(v_cache, s),
+            out,
+        }
+    }
 }
 
 /// Where attention decode keeps each context split's running maximum, sum and unnormalised

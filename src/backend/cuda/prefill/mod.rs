@@ -206,19 +206,9 @@ impl CudaBackend {
                 } => {
                     self.project(ps, in_proj, x, Some(p(&layer.input_norm)), proj, false, n)?;
                     self.mark(PrefillPart::Projections)?;
-                    let conv = p(&slot.conv[gdn_i]);
-                    let params = DeltaNetParams {
-                        dims: &gdn_dims,
-                        proj,
-                        conv,
-                        conv_w: p(conv_w),
-                        a_log: p(a_log),
-                        dt_bias: p(dt_bias),
-                        norm: p(norm),
-                        state: p(&slot.recurrent[gdn_i]),
-                        position,
-                        out: core,
-                    };
+                    let weights = [conv_w, a_log, dt_bias, norm];
+                    let params =
+                        DeltaNetParams::new(&gdn_dims, weights, slot, gdn_i, proj, core, s);
                     self.deltanet_chunk(ps, &params, n)?;
                     self.mark(PrefillPart::DeltaNet)?;
                     self.project(ps, out_proj, core, None, x, true, n)?;
@@ -233,16 +223,8 @@ impl CudaBackend {
                 } => {
                     self.project(ps, qkv, x, Some(p(&layer.input_norm)), proj, false, n)?;
                     self.mark(PrefillPart::Projections)?;
-                    let attn = AttentionBuffers {
-                        proj,
-                        q_norm: p(q_norm),
-                        k_norm: p(k_norm),
-                        position,
-                        q: p(&ps.q),
-                        k_cache: ptr(&slot.kv[attn_i].0, s),
-                        v_cache: ptr(&slot.kv[attn_i].1, s),
-                        out: core,
-                    };
+                    let norms = [q_norm, k_norm];
+                    let attn = AttentionBuffers::new(norms, slot, attn_i, proj, p(&ps.q), core, s);
                     self.attention_chunk(&attn_dims, &attn, n)?;
                     self.mark(PrefillPart::Attention)?;
                     self.project(ps, o_proj, core, None, x, true, n)?;
