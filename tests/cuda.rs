@@ -338,8 +338,6 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
                 (seed % vocab) as u32
             })
             .collect();
-        let cpu = CpuBackend::new(model.clone());
-        let cpu_bf16 = CpuBackend::with_bf16_activations(model.clone());
         let gpu = CudaBackend::new(
             &model,
             CudaOptions {
@@ -350,33 +348,45 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
             },
         )
         .unwrap();
-        let (mut c, mut c16, mut g) = (
-            cpu.new_state().unwrap(),
-            cpu_bf16.new_state().unwrap(),
-            gpu.new_state().unwrap(),
+        let label = dir.display().to_string();
+        prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::Last, 8, &label);
+    }
+}
+
+/// Prefills `prompt` (logits for `which`) on the GPU and on the CPU, then takes `steps` greedy
+/// decode steps from the states prefill left; at every stage the GPU's logits must stay within
+/// SPREADS calibrated bf16 spreads of the CPU's.
+fn prefill_then_decode_against_cpu(
+    model: &Arc<Model>,
+    gpu: &CudaBackend,
+    prompt: &[u32],
+    which: LogitsFor,
+    steps: usize,
+    label: &str,
+) {
+    let cpu = CpuBackend::new(model.clone());
+    let cpu_bf16 = CpuBackend::with_bf16_activations(model.clone());
+    let vocab = model.config.vocab_size;
+    let (mut c, mut c16, mut g) = (
+        cpu.new_state().unwrap(),
+        cpu_bf16.new_state().unwrap(),
+        gpu.new_state().unwrap(),
+    );
+    let mut want = cpu.prefill(&mut c, prompt, which).unwrap();
+    let mut spread_logits = cpu_bf16.prefill(&mut c16, prompt, which).unwrap();
+    let mut got = gpu.prefill(&mut g, prompt, which).unwrap();
+    for step in 0..steps {
+        let spread = relative_error(&spread_logits, &want);
+        let err = relative_error(&got, &want);
+        println!("{label}: step {step}: GPU error {err:.2e}, bf16 spread {spread:.2e}");
+        assert!(
+            err <= SPREADS * spread,
+            "{label}: step {step}: error {err} above {SPREADS} x spread {spread}"
         );
-        let mut want = cpu.prefill(&mut c, &prompt, LogitsFor::Last).unwrap();
-        let mut spread_logits = cpu_bf16
-            .prefill(&mut c16, &prompt, LogitsFor::Last)
-            .unwrap();
-        let mut got = gpu.prefill(&mut g, &prompt, LogitsFor::Last).unwrap();
-        for step in 0..8 {
-            let spread = relative_error(&spread_logits, &want);
-            let err = relative_error(&got, &want);
-            println!(
-                "{}: step {step}: GPU error {err:.2e}, bf16 spread {spread:.2e}",
-                dir.display()
-            );
-            assert!(
-                err <= SPREADS * spread,
-                "{}: step {step}: error {err} above {SPREADS} x spread {spread}",
-                dir.display()
-            );
-            let next = argmax(&want);
-            want = cpu.decode(&mut [&mut c], &[next]).unwrap();
-            spread_logits = cpu_bf16.decode(&mut [&mut c16], &[next]).unwrap();
-            got = gpu.decode(&mut [&mut g], &[next]).unwrap();
-        }
+        let next = argmax(&want[want.len() - vocab..]);
+        want = cpu.decode(&mut [&mut c], &[next]).unwrap();
+        spread_logits = cpu_bf16.decode(&mut [&mut c16], &[next]).unwrap();
+        got = gpu.decode(&mut [&mut g], &[next]).unwrap();
     }
 }
 
@@ -391,32 +401,9 @@ fn deltanet_heads_outside_the_chunkwise_kernels_match_the_cpu() {
     config["linear_value_head_dim"] = 24.into();
     let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
     let model = Arc::new(random_model(config).unwrap());
-    let cpu = CpuBackend::new(model.clone());
-    let cpu_bf16 = CpuBackend::with_bf16_activations(model.clone());
     let gpu = cuda(&model, 1);
     let vocab = model.config.vocab_size as u32;
     let prompt: Vec<u32> = (0..100u32).map(|i| (i * 37 + 11) % vocab).collect();
-    let (mut c, mut c16, mut g) = (
-        cpu.new_state().unwrap(),
-        cpu_bf16.new_state().unwrap(),
-        gpu.new_state().unwrap(),
-    );
-    let mut want = cpu.prefill(&mut c, &prompt, LogitsFor::All).unwrap();
-    let mut spread_logits = cpu_bf16.prefill(&mut c16, &prompt, LogitsFor::All).unwrap();
-    let mut got = gpu.prefill(&mut g, &prompt, LogitsFor::All).unwrap();
-    for step in 0..4 {
-        let spread = relative_error(&spread_logits, &want);
-        let err = relative_error(&got, &want);
-        println!(
-            "key_dim 16, value_dim 24: step {step}: GPU error {err:.2e}, bf16 spread {spread:.2e}"
-        );
-        assert!(
-            err <= SPREADS * spread,
-            "step {step}: error {err} above {SPREADS} x spread {spread}"
-        );
-        let next = argmax(&want[want.len() - vocab as usize..]);
-        want = cpu.decode(&mut [&mut c], &[next]).unwrap();
-        spread_logits = cpu_bf16.decode(&mut [&mut c16], &[next]).unwrap();
-        got = gpu.decode(&mut [&mut g], &[next]).unwrap();
-    }
+    let label = "key_dim 16, value_dim 24";
+    prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::All, 4, label);
 }
