@@ -20,12 +20,12 @@ const GEMM_K: usize = 64;
 
 /// Dynamic shared memory of `gemm_q` and `gemm_q_grouped` for `bits`-bit weights and `tokens`
 /// per block: the stages' weight rows, token rows, and the words holding each row's scales and
-/// biases.
+/// biases, plus the slack that aligns the stages to 1024 bytes (the swizzled layout's unit).
 pub(super) fn gemm_smem_bytes(bits: usize, tokens: usize) -> u32 {
     let weights = GEMM_ROWS * GEMM_K * bits / 8;
     let inputs = tokens * GEMM_K * 2;
     let scales_biases = GEMM_ROWS * 2 * 2 * 4;
-    (GEMM_STAGES * (weights + inputs + scales_biases)) as u32
+    (GEMM_STAGES * (weights + inputs + scales_biases) + 1024) as u32
 }
 
 /// Whether the tensor-core products take `w`: MLX 4- or 8-bit with groups of at least 32 inputs.
@@ -110,26 +110,63 @@ impl CudaBackend {
         y: u64,
         accumulate: bool,
     ) -> Result<()> {
+        self.gemm_dense([w; 2], 1, (x16, xscale), n, [y; 2], accumulate)
+    }
+
+    /// y[i] = x16 · w[i]ᵀ for two matrices (the shared expert's gate and up): one launch when
+    /// they have the same shape and format, else one each.
+    pub(super) fn gemm_rows_pair(
+        &self,
+        w: [&DeviceWeight; 2],
+        x16: u64,
+        xscale: u64,
+        n: usize,
+        y: [u64; 2],
+    ) -> Result<()> {
+        let format = |w: &DeviceWeight| (w.rows, w.cols, w.bits, w.group);
+        if format(w[0]) == format(w[1]) {
+            self.gemm_dense(w, 2, (x16, xscale), n, y, false)
+        } else {
+            self.gemm_rows(w[0], x16, xscale, n, y[0], false)?;
+            self.gemm_rows(w[1], x16, xscale, n, y[1], false)
+        }
+    }
+
+    /// One gemm_q launch: `z` products (1 or 2, along grid.z) of w[i] by the same inputs into
+    /// y[i].
+    fn gemm_dense(
+        &self,
+        w: [&DeviceWeight; 2],
+        z: u32,
+        (x16, xscale): (u64, u64),
+        n: usize,
+        y: [u64; 2],
+        accumulate: bool,
+    ) -> Result<()> {
         let s = &self.stream;
-        let desc = w.desc(s);
+        let (desc, desc2) = (w[0].desc(s), w[1].desc(s));
         let (tokens, acc) = (n as i32, accumulate as i32);
-        // SAFETY: x16 holds n rows of w.cols, y n rows of w.rows; the kernel clamps its reads.
+        let mut launch = cfg(
+            n.div_ceil(GEMM_DENSE_TOKENS) as u32,
+            w[0].rows.div_ceil(GEMM_ROWS) as u32,
+            GEMM_THREADS,
+            gemm_smem_bytes(w[0].bits, GEMM_DENSE_TOKENS),
+        );
+        launch.grid_dim.2 = z;
+        // SAFETY: x16 holds n rows of w.cols, y[i] n rows of w.rows; the kernel clamps its reads.
         unsafe {
             self.launch(
                 "gemm_q",
                 &self.k.gemm_q,
-                cfg(
-                    n.div_ceil(GEMM_DENSE_TOKENS) as u32,
-                    w.rows.div_ceil(GEMM_ROWS) as u32,
-                    GEMM_THREADS,
-                    gemm_smem_bytes(w.bits, GEMM_DENSE_TOKENS),
-                ),
+                launch,
                 &mut [
                     arg(&desc),
+                    arg(&desc2),
                     arg(&x16),
                     arg(&xscale),
                     arg(&tokens),
-                    arg(&y),
+                    arg(&y[0]),
+                    arg(&y[1]),
                     arg(&acc),
                 ],
             )

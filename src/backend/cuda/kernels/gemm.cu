@@ -66,16 +66,15 @@ extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, i
     if (threadIdx.x == 0) xscale[t] = s;
 }
 
-// The tokens of one block tile: `count` of them from `start`; token i reads x row in_row(i) and
-// writes y row out_row(i). A dense product takes consecutive tokens; a grouped one (MoE) the
-// assignments of one expert, listed in `order` (assignment a = token * top_k + slot), reading
-// the token's row (a / in_div) and writing the assignment's row (a).
+// The tokens of one block tile: `count` of them from `start`; token i is assignment(i), which
+// reads x row assignment(i) / in_div and writes y row assignment(i). A dense product takes
+// consecutive tokens; a grouped one (MoE) the assignments of one expert, listed in `order`
+// (assignment a = token * top_k + slot), reading the token's row (in_div = top_k).
 struct TokenTile {
     int start, count;
     const int* order;  // null: token i is start + i
     int in_div;
     __device__ __forceinline__ int assignment(int i) const { return order != nullptr ? order[start + i] : start + i; }
-    __device__ __forceinline__ int in_row(int i) const { return assignment(i) / in_div; }
 };
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool valid) {
@@ -133,6 +132,13 @@ __device__ __forceinline__ void wgmma_wait() {
 // reads, which go through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzled layout (rows of
+// 64 fp16 inputs, 8-row groups 1024 bytes apart; see GemmStage), starting `smem` bytes into
+// its rows: a k slice of 16 inputs starts 32 bytes further per slice.
+__device__ __forceinline__ uint64_t smem_desc_swizzled(const void* smem) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    return (uint64_t)((a >> 4) & 0x3FFF) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
 // Shared-memory matrix descriptor without swizzling: 8x8 core matrices of 16-byte rows, `lead`
 // bytes apart along the inputs (K) and `stride` bytes apart along the tokens (N).
 __device__ __forceinline__ uint64_t smem_desc(const void* smem, uint32_t lead, uint32_t stride) {
@@ -143,13 +149,15 @@ __device__ __forceinline__ uint64_t smem_desc(const void* smem, uint32_t lead, u
 
 // One pipeline stage: the block's 128 weight rows and TOKENS token rows over GEMM_K inputs. A
 // row's GEMM_K inputs are BITS / 2 chunks of 16 bytes (32 4-bit or 16 8-bit inputs each). The
-// tokens' inputs are laid out as the tensor cores read B: x[k block][token] holds inputs
-// 8 kb .. 8 kb + 7 of a token, so each 8 tokens x 8 inputs core matrix is 128 contiguous bytes,
-// core matrices 128 bytes apart along the tokens and TOKENS * 16 bytes apart along the inputs.
+// tokens' inputs are in the tensor cores' 128-byte swizzled layout: a token's 64 inputs are one
+// 128-byte row, whose 16-byte chunk kb (inputs 8 kb .. 8 kb + 7) sits at position kb ^ (token % 8)
+// (so a token's copies, and the tensor cores' reads of 8 tokens, fall in distinct banks; without
+// the swizzle the copies of a token's 8 chunks hit one bank 8 times). Stages are 1024-byte
+// aligned, as the swizzle requires.
 template <int BITS, int TOKENS>
 struct GemmStage {
+    uint4 x[TOKENS][GEMM_K / 8];
     uint4 w[GEMM_ROWS][BITS / 2];
-    uint4 x[GEMM_K / 8][TOKENS];
     // Per row and 32-input half: the words holding its group's scale and bias.
     uint32_t scale_bias[GEMM_ROWS][2][2];
 };
@@ -167,17 +175,19 @@ __device__ __forceinline__ void wgmma_tile<128>(float (&d)[64], const uint32_t (
     wgmma_64x128x16(d, a[0], a[1], a[2], a[3], desc);
 }
 
-// y[out_row(i), r] (+)= sum_k x16[in_row(i), k] w[row_base + r, k] * xscale[in_row(i)] for the
-// block's 128 rows r from row_block * 128 (below `rows`) and the tile's tokens (at most TOKENS);
-// y rows are `rows` floats wide. The grids put the token tiles along x, so the blocks that share
-// a row block run together and read its weights from DRAM once.
+// y[out(i), r] (+)= sum_k x16[in(i), k] w[row_base + r, k] * xscale[in(i)] (in and out: the
+// input and output rows of the tile's token i, see TokenTile) for the tile's tokens (at most
+// TOKENS) and the block's 128 rows r from row_block * 128 (below `rows`); y rows are `rows`
+// floats wide. The grids put the token tiles along x, so the blocks that share a row block run
+// together and read its weights from DRAM once.
 //
 // Weights, inputs and the words holding the rows' scales and biases stream through GEMM_STAGES
 // stages of dynamic shared memory with cp.async (out-of-range rows and tokens clamped, inputs
 // past K zero-filled). The block is one warpgroup: per 16 inputs, warp w dequantises its rows
-// 16w .. 16w + 15 of both 64-row halves into registers and the warpgroup issues two asynchronous
-// 64 x TOKENS x 16 products, which run while the next 16 inputs are dequantised. Dequantising
-// costs the same whatever TOKENS is, so dense products (many tokens) take 128 per block.
+// 16w .. 16w + 15 of both 64-row halves into registers and the warpgroup issues two
+// asynchronous 64 x TOKENS x 16 products, which run while the next 16 inputs are dequantised.
+// Dequantising costs the same whatever TOKENS is, so dense products (many tokens) take 128 per
+// block.
 template <int BITS, int TOKENS>
 __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int rows, int row_block,
                                           const TokenTile& tile, const __half* x16, const float* xscale, float* y,
@@ -189,13 +199,26 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     constexpr int SB_COPIES = GEMM_ROWS * 4 / GEMM_THREADS;
     using Stage = GemmStage<BITS, TOKENS>;
     extern __shared__ __align__(16) uint4 gemm_smem[];
-    Stage* stages = reinterpret_cast<Stage*>(gemm_smem);
+    // The dynamic shared memory's start rounded up to 1024 bytes (the host adds the slack).
+    Stage* stages = reinterpret_cast<Stage*>(
+        gemm_smem + ((1024 - ((uint32_t)__cvta_generic_to_shared(gemm_smem) & 1023)) & 1023) / 16);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int K = w.cols, row_chunks = K / PER_CHUNK, groups = K >> w.group_shift;
     const int steps = (K + GEMM_K - 1) / GEMM_K;
     const uint4* wdata = reinterpret_cast<const uint4*>(w.data);
     const int first_row = row_base + row_block * GEMM_ROWS, last_row = row_base + rows - 1;
+
+    // The tile's tokens, looked up once: input row, output row and input scale of each.
+    __shared__ int tile_in[TOKENS], tile_out[TOKENS];
+    __shared__ float tile_scale[TOKENS];
+    for (int i = tid; i < TOKENS; i += GEMM_THREADS) {
+        const int a = tile.assignment(min(i, tile.count - 1));
+        tile_out[i] = a;
+        tile_in[i] = a / tile.in_div;
+        tile_scale[i] = xscale[a / tile.in_div];
+    }
+    __syncthreads();
 
     // This thread's copies per stage. Copy i of a kind is number q = tid + i * GEMM_THREADS:
     // weights row q / CHUNKS, chunk q % CHUNKS; inputs token q / 8, k block q % 8; scale or bias
@@ -205,7 +228,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     const bf16* sb_base = (tid & 1) ? w.biases : w.scales;
     int x_rows[X_COPIES];
 #pragma unroll
-    for (int i = 0; i < X_COPIES; ++i) x_rows[i] = tile.in_row(min((tid >> 3) + i * (GEMM_THREADS / 8), tile.count - 1));
+    for (int i = 0; i < X_COPIES; ++i) x_rows[i] = tile_in[(tid >> 3) + i * (GEMM_THREADS / 8)];
     auto issue = [&](int stage, int step) {
         Stage& st = stages[stage];
         const int k0 = step * GEMM_K;
@@ -227,10 +250,18 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
 #pragma unroll
         for (int i = 0; i < X_COPIES; ++i) {
             const int token = (tid >> 3) + i * (GEMM_THREADS / 8);
-            cp_async_16(&st.x[x_block][token], x_valid ? x16 + (size_t)x_rows[i] * K + k0 + 8 * x_block : x16, x_valid);
+            cp_async_16(&st.x[token][x_block ^ (token & 7)], x_valid ? x16 + (size_t)x_rows[i] * K + k0 + 8 * x_block : x16, x_valid);
         }
     };
 
+    // The lane's shift within a word: its nibble pair (4-bit) or byte pair (8-bit).
+    const int shift = BITS == 4 ? 4 * c : 8 * (c & 1);
+
+#pragma unroll
+    for (int s = 0; s < GEMM_STAGES - 1; ++s) {
+        if (s < steps) issue(s, s);
+        cp_async_commit();
+    }
     // Which half of its scale and bias words each of this lane's rows (16 warp + g and + 8 of
     // each 64-row half) reads at group 0: the parity of the row's first group index.
     int row_parity[2][2];
@@ -241,16 +272,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
             const size_t r = min(first_row + 64 * m + 16 * warp + 8 * h + g, last_row);
             row_parity[m][h] = (int)((r * groups) & 1);
         }
-
-    // The lane's shift within a word: its nibble pair (4-bit) or byte pair (8-bit).
-    const int shift = BITS == 4 ? 4 * c : 8 * (c & 1);
     float acc[2][TOKENS / 2] = {};
-
-#pragma unroll
-    for (int s = 0; s < GEMM_STAGES - 1; ++s) {
-        if (s < steps) issue(s, s);
-        cp_async_commit();
-    }
     for (int step = 0; step < steps; ++step) {
         cp_async_wait<GEMM_STAGES - 2>();
         fence_proxy_async();
@@ -277,9 +299,9 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
                 }
         }
         // Step j covers inputs 16j .. 16j + 15 of the stage: for 4-bit, words 2 (j % 2) and
-        // 2 (j % 2) + 1 of chunk j / 2 (8 inputs each); for 8-bit, words c / 2 and 2 + c / 2 of
-        // chunk j (4 inputs each). A registers alternate between two sets, so that step j's can
-        // be written while step j - 1's products still read theirs.
+        // 2 (j % 2) + 1 of chunk j / 2 (8 inputs each); for 8-bit, words c / 2 and 2 + c / 2
+        // of chunk j (4 inputs each). A registers alternate between two sets, so that step
+        // j's can be written while step j - 1's products still read theirs.
         uint32_t a[2][2][4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -289,8 +311,9 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
             for (int m = 0; m < 2; ++m) {
                 const int row = 64 * m + 16 * warp + g;
                 const uint4 lo = st.w[row][BITS == 4 ? hh : j], hi = st.w[row + 8][BITS == 4 ? hh : j];
-                // (x, y) or (z, w) for 4-bit (by j, known at compile time); (x, z) or (y, w) for
-                // 8-bit (by lane: selects, not an indexed local array, which would live on the stack).
+                // (x, y) or (z, w) for 4-bit (by j, known at compile time); (x, z) or (y, w)
+                // for 8-bit (by lane: selects, not an indexed local array, which would live
+                // on the stack).
                 const bool odd = BITS == 4 ? (j & 1) : (c >> 1);
                 const uint32_t l0 = BITS == 4 ? (odd ? lo.z : lo.x) : (odd ? lo.y : lo.x);
                 const uint32_t l1 = BITS == 4 ? (odd ? lo.w : lo.y) : (odd ? lo.w : lo.z);
@@ -302,32 +325,34 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
                 aj[m][3] = dequant_pair<BITS>(u1 >> shift, scale[m][1][hh], bias[m][1][hh]);
             }
             // Inputs 16j .. 16j + 15 are k blocks 2j and 2j + 1.
-            const uint64_t desc = smem_desc(&st.x[2 * j][0], TOKENS * 16, 128);
+            const uint64_t desc = smem_desc_swizzled(reinterpret_cast<const char*>(&st.x[0][0]) + 32 * j);
             wgmma_fence();
 #pragma unroll
             for (int m = 0; m < 2; ++m) wgmma_tile<TOKENS>(acc[m], aj[m], desc);
             wgmma_commit();
-            // Step j - 1's products are done, so its A registers may be rewritten at step j + 1.
+            // Step j - 1's products are done, so its A registers may be rewritten at j + 1.
             wgmma_wait<1>();
         }
-        // All of this stage's products are done before the next barrier lets its buffer refill.
+        // All of this stage's products are done before the next barrier lets its buffer
+        // refill.
         wgmma_wait<0>();
     }
-    cp_async_wait<0>();
 
-    // D fragment of each 64-row half m: acc[m][4 nb + e] is row 16 warp + g (+ 8 for e >= 2),
-    // token 8 nb + 2c + (e & 1).
+    // D fragment of each 64-row half m: acc[m][4 nb + e] is row 16 warp + g (+ 8 for
+    // e >= 2), token 8 nb + 2c + (e & 1).
+    const int row0 = row_block * GEMM_ROWS;
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int i = 0; i < TOKENS / 2; ++i) {
-            const int r = row_block * GEMM_ROWS + 64 * m + 16 * warp + g + ((i & 2) ? 8 : 0);
+            const int r = row0 + 64 * m + 16 * warp + g + ((i & 2) ? 8 : 0);
             const int t = 8 * (i >> 2) + 2 * c + (i & 1);
             if (r >= rows || t >= tile.count) continue;
-            const float v = acc[m][i] * xscale[tile.in_row(t)];
-            float* out = y + (size_t)tile.assignment(t) * rows + r;
+            const float v = acc[m][i] * tile_scale[t];
+            float* out = y + (size_t)tile_out[t] * rows + r;
             *out = accumulate ? *out + v : v;
         }
+    cp_async_wait<0>();
 }
 
 // gemm_tile for the weight's width (4 or 8 bits; the host sends nothing else).
@@ -342,24 +367,33 @@ __device__ __forceinline__ void gemm_tile_bits(const Weight& w, int row_base, in
 }
 
 // y[t, n] = sum_k x[t, k] w[n, k] (added to y when `accumulate`), y row-major [tokens, w.rows];
-// x16 and xscale from rows_to_half. w: 4- or 8-bit, group size >= 32. Grid: (ceil(tokens /
-// GEMM_DENSE_TOKENS), ceil(rows / 128)), GEMM_THREADS threads, gemm_smem_bytes(bits,
-// GEMM_DENSE_TOKENS) of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_q(Weight w, const __half* x16, const float* xscale,
-                                                                 int tokens, float* y, int accumulate) {
+// x16 and xscale from rows_to_half; blocks with blockIdx.z == 1 do the same with w2 into y2 (the
+// shared expert's up projection beside its gate one: same shape, format and inputs). w: 4- or
+// 8-bit, group size >= 32. Grid: (ceil(tokens / GEMM_DENSE_TOKENS), ceil(rows / 128), 1 or 2),
+// GEMM_THREADS threads, gemm_smem_bytes(bits, GEMM_DENSE_TOKENS) of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_q(Weight w, Weight w2, const __half* x16,
+                                                                 const float* xscale, int tokens, float* y, float* y2,
+                                                                 int accumulate) {
     wait_for_previous_kernel();
     const int start = blockIdx.x * GEMM_DENSE_TOKENS;
     const TokenTile tile = {start, min(GEMM_DENSE_TOKENS, tokens - start), nullptr, 1};
-    gemm_tile_bits<GEMM_DENSE_TOKENS>(w, 0, w.rows, blockIdx.y, tile, x16, xscale, y, accumulate);
+    // Field by field, so that the choice stays in registers (a whole-struct select goes through
+    // the stack).
+    const bool second = blockIdx.z == 1;
+    Weight m = w;
+    m.data = second ? w2.data : w.data;
+    m.scales = second ? w2.scales : w.scales;
+    m.biases = second ? w2.biases : w.biases;
+    gemm_tile_bits<GEMM_DENSE_TOKENS>(m, 0, w.rows, blockIdx.y, tile, x16, xscale, second ? y2 : y, accumulate);
 }
 
 // The MoE experts' products over their tokens: w stacks the experts' matrices
 // [experts * rows_per_expert, cols]; tile blockIdx.x of `tiles` (expert, start, count in
-// `order`, at most GEMM_GROUP_TOKENS; tiles beyond tile_count[0] exit) multiplies that expert's rows by
-// its assignments' x rows (assignment / in_div) into y rows per assignment
-// ([assignments, rows_per_expert]). Blocks with blockIdx.z == 1 do the same with w2 into y2
-// (the up projection beside the gate one, from the same inputs; same shape and format). Grid: (most tiles,
-// ceil(rows_per_expert / 128), 1 or 2), GEMM_THREADS threads, gemm_smem_bytes(bits,
+// `order`, at most GEMM_GROUP_TOKENS; tiles beyond tile_count[0] exit) multiplies that expert's
+// rows by its assignments' x rows (assignment / in_div) into y rows per assignment
+// ([assignments, rows_per_expert]). Blocks with blockIdx.z == 1 do the same with w2 into y2 (the
+// up projection beside the gate one, from the same inputs; same shape and format). Grid: (most
+// tiles, ceil(rows_per_expert / 128), 1 or 2), GEMM_THREADS threads, gemm_smem_bytes(bits,
 // GEMM_GROUP_TOKENS) of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped(Weight w, Weight w2, int rows_per_expert,
                                                                          const int* tiles, const int* tile_count,
@@ -377,7 +411,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped(Weight
     m.data = second ? w2.data : w.data;
     m.scales = second ? w2.scales : w.scales;
     m.biases = second ? w2.biases : w.biases;
-    gemm_tile_bits<GEMM_GROUP_TOKENS>(m, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, tile, x16, xscale, second ? y2 : y, 0);
+    gemm_tile_bits<GEMM_GROUP_TOKENS>(m, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, tile, x16, xscale,
+                                     second ? y2 : y, 0);
 }
 
 // act16[a] = (silu(gate[a]) * up[a] * weight) in fp16, scaled and permuted as rows_to_half does,

@@ -183,8 +183,8 @@ impl CudaBackend {
 
         // The shared expert, dense over the chunk, weighted by its sigmoid gate.
         let shared_inter = c.shared_expert_intermediate_size;
-        self.gemm_rows(&layer.shared_gate, x16, xs, n, gate_rows, false)?;
-        self.gemm_rows(&layer.shared_up, x16, xs, n, up_rows, false)?;
+        let shared_gate_up = [&layer.shared_gate, &layer.shared_up];
+        self.gemm_rows_pair(shared_gate_up, x16, xs, n, [gate_rows, up_rows])?;
         self.swiglu(
             gate_rows,
             up_rows,
