@@ -223,7 +223,9 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     // This thread's copies per stage. Copy i of a kind is number q = tid + i * GEMM_THREADS:
     // weights row q / CHUNKS, chunk q % CHUNKS; inputs token q / 8, k block q % 8; scale or bias
     // words row q / 4, half (q / 2) % 2, scale (q even) or bias. Only the row or token changes
-    // with i.
+    // with i. With groups of 64 inputs or more a stage's inputs share one group: its words are
+    // copied once, as half 0 (row q / 2), half the copies.
+    const bool one_group = w.group_shift >= 6;
     const int w_chunk = tid % CHUNKS, x_block = tid & 7, sb_half = (tid >> 1) & 1;
     const bf16* sb_base = (tid & 1) ? w.biases : w.scales;
     int x_rows[X_COPIES];
@@ -232,12 +234,22 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     auto issue = [&](int stage, int step) {
         Stage& st = stages[stage];
         const int k0 = step * GEMM_K;
-        const int grp = min((k0 + 32 * sb_half) >> w.group_shift, groups - 1);
+        if (one_group) {
+            const int grp = min(k0 >> w.group_shift, groups - 1);
 #pragma unroll
-        for (int i = 0; i < SB_COPIES; ++i) {
-            const int row = (tid >> 2) + i * (GEMM_THREADS / 4);
-            const size_t r = min(first_row + row, last_row);
-            cp_async_word(&st.scale_bias[row][sb_half][tid & 1], sb_base + r * groups + grp);
+            for (int i = 0; i < SB_COPIES / 2; ++i) {
+                const int row = (tid >> 1) + i * (GEMM_THREADS / 2);
+                const size_t r = min(first_row + row, last_row);
+                cp_async_word(&st.scale_bias[row][0][tid & 1], sb_base + r * groups + grp);
+            }
+        } else {
+            const int grp = min((k0 + 32 * sb_half) >> w.group_shift, groups - 1);
+#pragma unroll
+            for (int i = 0; i < SB_COPIES; ++i) {
+                const int row = (tid >> 2) + i * (GEMM_THREADS / 4);
+                const size_t r = min(first_row + row, last_row);
+                cp_async_word(&st.scale_bias[row][sb_half][tid & 1], sb_base + r * groups + grp);
+            }
         }
         const bool w_valid = k0 + PER_CHUNK * w_chunk < K;
 #pragma unroll
@@ -290,6 +302,11 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
             for (int m = 0; m < 2; ++m)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
+                    if (hh == 1 && one_group) {
+                        scale[m][h][1] = scale[m][h][0];
+                        bias[m][h][1] = bias[m][h][0];
+                        continue;
+                    }
                     const int row = 64 * m + 16 * warp + 8 * h + g;
                     const int high = (row_parity[m][h] ^ grp) & 1;
                     const uint32_t sw = st.scale_bias[row][hh][0] >> (16 * high);

@@ -333,35 +333,59 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const floa
 
 // Prefill: sorts the chunk's routed assignments (a = token * top_k + slot) by expert into
 // `order` and cuts each expert's run into tiles of at most GROUP_TILE for gemm_q_grouped:
-// tiles[3 i ..] = (expert, start in order, count), tile_count[0] = tiles made. One block.
+// tiles[3 i ..] = (expert, start in order, count), tile_count[0] = tiles made. One block of 1024
+// threads (at least MAX_EXPERTS): thread e finds expert e's start and first tile by a scan of
+// the counts over the block.
 extern "C" __global__ void __launch_bounds__(1024) moe_group(MoeDims d, const int* ids, int tokens, int* order,
                                                             int* tiles, int* tile_count) {
     __shared__ int count[MAX_EXPERTS];
     __shared__ int cursor[MAX_EXPERTS];
+    __shared__ unsigned long long warp_totals[32];
     wait_for_previous_kernel();
     const int total = tokens * d.top_k;
-    for (int e = threadIdx.x; e < d.experts; e += blockDim.x) count[e] = 0;
+    const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+    if (e < d.experts) count[e] = 0;
     __syncthreads();
     for (int a = threadIdx.x; a < total; a += blockDim.x)
         atomicAdd(&count[ids[(a / d.top_k) * (d.top_k + 1) + a % d.top_k]], 1);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int start = 0, made = 0;
-        for (int e = 0; e < d.experts; ++e) {
-            cursor[e] = start;
-            for (int s = 0; s < count[e]; s += GROUP_TILE) {
-                tiles[3 * made] = e;
-                tiles[3 * made + 1] = start + s;
-                tiles[3 * made + 2] = min(GROUP_TILE, count[e] - s);
-                ++made;
-            }
-            start += count[e];
+    // Inclusive scan of (assignments << 32 | tiles) over the experts: both halves add up
+    // separately (a chunk has fewer than 2^32 tiles).
+    const int mine = e < d.experts ? count[e] : 0;
+    const int my_tiles = (mine + GROUP_TILE - 1) / GROUP_TILE;
+    const unsigned long long own = ((unsigned long long)mine << 32) | (unsigned)my_tiles;
+    unsigned long long scan = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long up = __shfl_up_sync(0xffffffffu, scan, o);
+        if (lane >= o) scan += up;
+    }
+    if (lane == 31) warp_totals[warp] = scan;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned long long t = lane < (int)(blockDim.x / 32) ? warp_totals[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned long long up = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += up;
         }
-        tile_count[0] = made;
+        warp_totals[lane] = t;
+    }
+    __syncthreads();
+    const unsigned long long before = scan - own + (warp > 0 ? warp_totals[warp - 1] : 0);
+    if (e < d.experts) {
+        const int start = (int)(before >> 32), first_tile = (int)(before & 0xFFFFFFFFu);
+        cursor[e] = start;
+        for (int i = 0; i < my_tiles; ++i) {
+            tiles[3 * (first_tile + i)] = e;
+            tiles[3 * (first_tile + i) + 1] = start + i * GROUP_TILE;
+            tiles[3 * (first_tile + i) + 2] = min(GROUP_TILE, mine - i * GROUP_TILE);
+        }
+        if (e == d.experts - 1) tile_count[0] = first_tile + my_tiles;
     }
     __syncthreads();
     for (int a = threadIdx.x; a < total; a += blockDim.x) {
-        const int e = ids[(a / d.top_k) * (d.top_k + 1) + a % d.top_k];
-        order[atomicAdd(&cursor[e], 1)] = a;
+        const int ex = ids[(a / d.top_k) * (d.top_k + 1) + a % d.top_k];
+        order[atomicAdd(&cursor[ex], 1)] = a;
     }
 }
