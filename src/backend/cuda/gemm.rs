@@ -110,7 +110,22 @@ impl CudaBackend {
         y: u64,
         accumulate: bool,
     ) -> Result<()> {
-        self.gemm_dense([w; 2], 1, (x16, xscale), n, [y; 2], accumulate)
+        self.gemm_dense([w; 2], 1, (x16, xscale), n, [y; 2], accumulate, 1)
+    }
+
+    /// y[s] = the sum over split s of `splits` equal runs of k of x16 · wᵀ, slices of n rows of
+    /// w.rows one after the other in y, for the reader to add up: products of few rows (the
+    /// router) make few blocks, each with all of k to go through otherwise.
+    pub(super) fn gemm_rows_split(
+        &self,
+        w: &DeviceWeight,
+        x16: u64,
+        xscale: u64,
+        n: usize,
+        y: u64,
+        splits: usize,
+    ) -> Result<()> {
+        self.gemm_dense([w; 2], 1, (x16, xscale), n, [y; 2], false, splits as u32)
     }
 
     /// y[i] = x16 · w[i]ᵀ for two matrices (the shared expert's gate and up): one launch when
@@ -125,15 +140,16 @@ impl CudaBackend {
     ) -> Result<()> {
         let format = |w: &DeviceWeight| (w.rows, w.cols, w.bits, w.group);
         if format(w[0]) == format(w[1]) {
-            self.gemm_dense(w, 2, (x16, xscale), n, y, false)
+            self.gemm_dense(w, 2, (x16, xscale), n, y, false, 1)
         } else {
             self.gemm_rows(w[0], x16, xscale, n, y[0], false)?;
             self.gemm_rows(w[1], x16, xscale, n, y[1], false)
         }
     }
 
-    /// One gemm_q launch: `z` products (1 or 2, along grid.z) of w[i] by the same inputs into
-    /// y[i].
+    /// One gemm_q launch: `z` products (1 or 2) of w[i] by the same inputs into y[i], each in
+    /// `splits` splits of k (along grid.z).
+    #[allow(clippy::too_many_arguments)]
     fn gemm_dense(
         &self,
         w: [&DeviceWeight; 2],
@@ -142,17 +158,22 @@ impl CudaBackend {
         n: usize,
         y: [u64; 2],
         accumulate: bool,
+        splits: u32,
     ) -> Result<()> {
+        ensure!(
+            splits == 1 || !accumulate,
+            "split products write partial sums; they cannot accumulate"
+        );
         let s = &self.stream;
         let (desc, desc2) = (w[0].desc(s), w[1].desc(s));
-        let (tokens, acc) = (n as i32, accumulate as i32);
+        let (tokens, acc, splits32) = (n as i32, accumulate as i32, splits as i32);
         let mut launch = cfg(
             n.div_ceil(GEMM_DENSE_TOKENS) as u32,
             w[0].rows.div_ceil(GEMM_ROWS) as u32,
             GEMM_THREADS,
             gemm_smem_bytes(w[0].bits, GEMM_DENSE_TOKENS),
         );
-        launch.grid_dim.2 = z;
+        launch.grid_dim.2 = z * splits;
         // SAFETY: x16 holds n rows of w.cols, y[i] n rows of w.rows; the kernel clamps its reads.
         unsafe {
             self.launch(
@@ -168,6 +189,7 @@ impl CudaBackend {
                     arg(&y[0]),
                     arg(&y[1]),
                     arg(&acc),
+                    arg(&splits32),
                 ],
             )
         }
@@ -215,7 +237,12 @@ mod tests {
         let sm = 228 * 1024;
         let dense = gemm_smem_bytes(4, GEMM_DENSE_TOKENS) as usize;
         let grouped = gemm_smem_bytes(4, GEMM_GROUP_TOKENS) as usize;
+        // Static shared memory: the tile's token tables (three words per token), once per width
+        // the kernel is compiled for.
+        let tables = |tokens: usize| 2 * 3 * 4 * tokens;
         // 4-bit products run two dense or three grouped blocks per SM (their register budgets).
+        let dense = dense + tables(GEMM_DENSE_TOKENS);
+        let grouped = grouped + tables(GEMM_GROUP_TOKENS);
         assert!(2 * (dense + 1024) <= sm, "{dense}");
         assert!(3 * (grouped + 1024) <= sm, "{grouped}");
         // 8-bit stages are larger but still launchable.

@@ -37,31 +37,55 @@ __device__ __forceinline__ int permuted_input(int i, int bits) {
     return (i & ~7) + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
 }
 
+// The eight floats at p (32-byte aligned).
+__device__ __forceinline__ void load_eight(const float* p, float (&v)[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// Stores the group of eight inputs v at dst (16-byte aligned) in fp16, permuted for `bits`-bit
+// weights: position i holds v[permuted_input(i, bits)].
+__device__ __forceinline__ void store_eight_permuted(__half* dst, const float (&v)[8], int bits) {
+    __align__(16) __half h[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = __float2half_rn(bits == 8 ? v[permuted_input(i, 8)] : v[permuted_input(i, 4)]);
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(h);
+}
+
 // x16[t] = x[t] / xscale[t] in fp16 (RMS-normalised and scaled by norm_scale first when it is
 // non-null), inputs permuted within groups of 8 for `bits`-bit weights (see above); xscale[t] is
-// the power of two that brings max |x[t]| under 2^15. One block of 256 threads per token; K a
-// multiple of 8.
+// the power of two that brings max |x[t]| under 2^15. One block of 256 threads per token, a
+// group of 8 inputs per thread at a time; K a multiple of 8.
 extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, int K, const float* norm_scale, float eps,
                                                               int bits, __half* x16, float* xscale) {
     __shared__ float scratch[64];
     wait_for_previous_kernel();
     const size_t t = blockIdx.x;
     const float* row = x + t * K;
+    const int groups = K / 8;
     float ss = 0.0f, mx = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        const float v = row[i];
-        ss += v * v;
-        mx = fmaxf(mx, fabsf(norm_scale != nullptr ? v * norm_scale[i] : v));
+    for (int gi = threadIdx.x; gi < groups; gi += blockDim.x) {
+        float v[8], n[8];
+        load_eight(row + 8 * gi, v);
+        if (norm_scale != nullptr) load_eight(norm_scale + 8 * gi, n);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            ss += v[e] * v[e];
+            mx = fmaxf(mx, fabsf(norm_scale != nullptr ? v[e] * n[e] : v[e]));
+        }
     }
     const float2 st = block_sum_max(make_float2(ss, mx), scratch);
     const float inv = norm_scale != nullptr ? rsqrtf(st.x / K + eps) : 1.0f;
     mx = st.y * inv;
     const float s = mx > 0.0f ? exp2f(ceilf(log2f(mx)) - 14.0f) : 1.0f;
     const float r = inv / s;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        const int src = permuted_input(i, bits);
-        const float v = row[src] * r;
-        x16[t * K + i] = __float2half_rn(norm_scale != nullptr ? v * norm_scale[src] : v);
+    for (int gi = threadIdx.x; gi < groups; gi += blockDim.x) {
+        float v[8], n[8];
+        load_eight(row + 8 * gi, v);
+        if (norm_scale != nullptr) load_eight(norm_scale + 8 * gi, n);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = norm_scale != nullptr ? v[e] * r * n[e] : v[e] * r;
+        store_eight_permuted(x16 + t * K + 8 * gi, v, bits);
     }
     if (threadIdx.x == 0) xscale[t] = s;
 }
@@ -178,7 +202,7 @@ __device__ __forceinline__ void wgmma_tile<128>(float (&d)[64], const uint32_t (
 // y[out(i), r] (+)= sum_k x16[in(i), k] w[row_base + r, k] * xscale[in(i)] (in and out: the
 // input and output rows of the tile's token i, see TokenTile) for the tile's tokens (at most
 // TOKENS) and the block's 128 rows r from row_block * 128 (below `rows`); y rows are `rows`
-// floats wide. The grids put the token tiles along x, so the blocks that share a row block run
+// floats wide. The sum runs over split `split` of `splits` equal runs of k (all of it for one). The grids put the token tiles along x, so the blocks that share a row block run
 // together and read its weights from DRAM once.
 //
 // Weights, inputs and the words holding the rows' scales and biases stream through GEMM_STAGES
@@ -189,8 +213,8 @@ __device__ __forceinline__ void wgmma_tile<128>(float (&d)[64], const uint32_t (
 // Dequantising costs the same whatever TOKENS is, so dense products (many tokens) take 128 per
 // block.
 template <int BITS, int TOKENS>
-__device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int rows, int row_block,
-                                          const TokenTile& tile, const __half* x16, const float* xscale, float* y,
+__device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int rows, int row_block, int split,
+                                          int splits, const TokenTile& tile, const __half* x16, const float* xscale, float* y,
                                           int accumulate) {
     constexpr int CHUNKS = BITS / 2;                           // 16-byte chunks of a row per stage
     constexpr int PER_CHUNK = 128 / BITS;                      // inputs per chunk
@@ -205,7 +229,9 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int K = w.cols, row_chunks = K / PER_CHUNK, groups = K >> w.group_shift;
-    const int steps = (K + GEMM_K - 1) / GEMM_K;
+    // This block's share of the K steps: split `split` of `splits` equal runs.
+    const int all_steps = (K + GEMM_K - 1) / GEMM_K, per_split = (all_steps + splits - 1) / splits;
+    const int first_step = split * per_split, steps = max(0, min(per_split, all_steps - first_step));
     const uint4* wdata = reinterpret_cast<const uint4*>(w.data);
     const int first_row = row_base + row_block * GEMM_ROWS, last_row = row_base + rows - 1;
 
@@ -233,7 +259,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     for (int i = 0; i < X_COPIES; ++i) x_rows[i] = tile_in[(tid >> 3) + i * (GEMM_THREADS / 8)];
     auto issue = [&](int stage, int step) {
         Stage& st = stages[stage];
-        const int k0 = step * GEMM_K;
+        const int k0 = (first_step + step) * GEMM_K;
         if (one_group) {
             const int grp = min(k0 >> w.group_shift, groups - 1);
 #pragma unroll
@@ -256,7 +282,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         for (int i = 0; i < W_COPIES; ++i) {
             const int row = tid / CHUNKS + i * (GEMM_THREADS / CHUNKS);
             const size_t r = min(first_row + row, last_row);
-            cp_async_16(&st.w[row][w_chunk], w_valid ? wdata + r * row_chunks + CHUNKS * step + w_chunk : wdata, w_valid);
+            cp_async_16(&st.w[row][w_chunk], w_valid ? wdata + r * row_chunks + CHUNKS * (first_step + step) + w_chunk : wdata, w_valid);
         }
         const bool x_valid = k0 + 8 * x_block < K;
 #pragma unroll
@@ -297,7 +323,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         __half2 scale[2][2][2], bias[2][2][2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const int grp = min((step * GEMM_K + 32 * hh) >> w.group_shift, groups - 1);
+            const int grp = min(((first_step + step) * GEMM_K + 32 * hh) >> w.group_shift, groups - 1);
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -374,34 +400,38 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
 
 // gemm_tile for the weight's width (4 or 8 bits; the host sends nothing else).
 template <int TOKENS>
-__device__ __forceinline__ void gemm_tile_bits(const Weight& w, int row_base, int rows, int row_block,
-                                               const TokenTile& tile, const __half* x16, const float* xscale,
+__device__ __forceinline__ void gemm_tile_bits(const Weight& w, int row_base, int rows, int row_block, int split,
+                                               int splits, const TokenTile& tile, const __half* x16, const float* xscale,
                                                float* y, int accumulate) {
     if (w.bits == 8)
-        gemm_tile<8, TOKENS>(w, row_base, rows, row_block, tile, x16, xscale, y, accumulate);
+        gemm_tile<8, TOKENS>(w, row_base, rows, row_block, split, splits, tile, x16, xscale, y, accumulate);
     else
-        gemm_tile<4, TOKENS>(w, row_base, rows, row_block, tile, x16, xscale, y, accumulate);
+        gemm_tile<4, TOKENS>(w, row_base, rows, row_block, split, splits, tile, x16, xscale, y, accumulate);
 }
 
 // y[t, n] = sum_k x[t, k] w[n, k] (added to y when `accumulate`), y row-major [tokens, w.rows];
-// x16 and xscale from rows_to_half; blocks with blockIdx.z == 1 do the same with w2 into y2 (the
-// shared expert's up projection beside its gate one: same shape, format and inputs). w: 4- or
-// 8-bit, group size >= 32. Grid: (ceil(tokens / GEMM_DENSE_TOKENS), ceil(rows / 128), 1 or 2),
-// GEMM_THREADS threads, gemm_smem_bytes(bits, GEMM_DENSE_TOKENS) of dynamic shared memory.
+// x16 and xscale from rows_to_half. Blocks with blockIdx.z >= splits do the same with w2 into y2
+// (the shared expert's up projection beside its gate one: same shape, format and inputs). With
+// splits > 1 (products of few blocks, the router) block z % splits sums its split of k into
+// y + split * tokens * rows, for the reader to add up. w: 4- or 8-bit, group size >= 32. Grid:
+// (ceil(tokens / GEMM_DENSE_TOKENS), ceil(rows / 128), splits or 2 splits), GEMM_THREADS
+// threads, gemm_smem_bytes(bits, GEMM_DENSE_TOKENS) of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_q(Weight w, Weight w2, const __half* x16,
                                                                  const float* xscale, int tokens, float* y, float* y2,
-                                                                 int accumulate) {
+                                                                 int accumulate, int splits) {
     wait_for_previous_kernel();
     const int start = blockIdx.x * GEMM_DENSE_TOKENS;
     const TokenTile tile = {start, min(GEMM_DENSE_TOKENS, tokens - start), nullptr, 1};
+    const int split = blockIdx.z % splits;
     // Field by field, so that the choice stays in registers (a whole-struct select goes through
     // the stack).
-    const bool second = blockIdx.z == 1;
+    const bool second = blockIdx.z >= splits;
     Weight m = w;
     m.data = second ? w2.data : w.data;
     m.scales = second ? w2.scales : w.scales;
     m.biases = second ? w2.biases : w.biases;
-    gemm_tile_bits<GEMM_DENSE_TOKENS>(m, 0, w.rows, blockIdx.y, tile, x16, xscale, second ? y2 : y, accumulate);
+    float* out = (second ? y2 : y) + (size_t)split * tokens * w.rows;
+    gemm_tile_bits<GEMM_DENSE_TOKENS>(m, 0, w.rows, blockIdx.y, split, splits, tile, x16, xscale, out, accumulate);
 }
 
 // The MoE experts' products over their tokens: w stacks the experts' matrices
@@ -428,33 +458,47 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped(Weight
     m.data = second ? w2.data : w.data;
     m.scales = second ? w2.scales : w.scales;
     m.biases = second ? w2.biases : w.biases;
-    gemm_tile_bits<GEMM_GROUP_TOKENS>(m, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, tile, x16, xscale,
-                                     second ? y2 : y, 0);
+    gemm_tile_bits<GEMM_GROUP_TOKENS>(m, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, 0, 1, tile, x16,
+                                     xscale, second ? y2 : y, 0);
 }
 
 // act16[a] = (silu(gate[a]) * up[a] * weight) in fp16, scaled and permuted as rows_to_half does,
-// for each row a of gate and up ([rows, width]); the row's weight is
+// for each of the `rows` rows a of gate and up ([rows, width]); the row's weight is
 // weights[(a / per) * stride + a % per + offset] (routed assignments: per = top_k, stride =
-// top_k + 1, offset 0; the shared expert: per = 1, offset = top_k). One block of 256 threads per
-// row; width a multiple of 8; permuted for `bits`-bit weights.
+// top_k + 1, offset 0; the shared expert: per = 1, offset = top_k). One warp per row, a group of
+// 8 values per lane at a time, 8 rows per block of 256 threads; width a multiple of 8; permuted
+// for `bits`-bit weights.
 extern "C" __global__ void __launch_bounds__(256) swiglu_to_half(const float* gate, const float* up,
                                                                 const float* weights, int per, int stride, int offset,
-                                                                int width, int bits, __half* act16, float* actscale) {
-    __shared__ float scratch[64];
+                                                                int width, int bits, int rows, __half* act16,
+                                                                float* actscale) {
     wait_for_previous_kernel();
-    const size_t a = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const size_t a = (size_t)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (a >= (size_t)rows) return;
     const float wa = weights[(a / per) * stride + a % per + offset];
+    const float *g_row = gate + a * width, *u_row = up + a * width;
+    const int groups = width / 8;
     float mx = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x)
-        mx = fmaxf(mx, fabsf(silu(gate[a * width + i]) * up[a * width + i] * wa));
-    mx = block_sum_max(make_float2(0.0f, mx), scratch).y;
+    for (int gi = lane; gi < groups; gi += 32) {
+        float g[8], u[8];
+        load_eight(g_row + 8 * gi, g);
+        load_eight(u_row + 8 * gi, u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) mx = fmaxf(mx, fabsf(silu(g[e]) * u[e] * wa));
+    }
+    mx = warp_max(mx);
     const float s = mx > 0.0f ? exp2f(ceilf(log2f(mx)) - 14.0f) : 1.0f;
     const float r = wa / s;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        const int src = permuted_input(i, bits);
-        act16[a * width + i] = __float2half_rn(silu(gate[a * width + src]) * up[a * width + src] * r);
+    for (int gi = lane; gi < groups; gi += 32) {
+        float g[8], u[8];
+        load_eight(g_row + 8 * gi, g);
+        load_eight(u_row + 8 * gi, u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) g[e] = silu(g[e]) * u[e] * r;
+        store_eight_permuted(act16 + a * width + 8 * gi, g, bits);
     }
-    if (threadIdx.x == 0) actscale[a] = s;
+    if (lane == 0) actscale[a] = s;
 }
 
 // residual[t] += sum over slots of down[t * top_k + slot]: the routed experts' outputs (their

@@ -311,15 +311,20 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
 }
 
 // Prefill: each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot
-// top_k is the shared expert, id -1, weight its sigmoid gate). One warp per token.
-extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const float* router_logits, int* ids,
-                                                          float* weights) {
+// top_k is the shared expert, id -1, weight its sigmoid gate), the sum of `splits` partial sums
+// `split_stride` floats apart (gemm_q's split k). One warp per token.
+extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const float* router_logits, int splits,
+                                                          size_t split_stride, int* ids, float* weights) {
     __shared__ float logits[MAX_EXPERTS + 1];
     __shared__ int chosen[MAX_TOP_K + 1];
     __shared__ float chosen_weights[MAX_TOP_K + 1];
     wait_for_previous_kernel();
     const size_t t = blockIdx.x;
-    for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) logits[e] = router_logits[t * (d.experts + 1) + e];
+    for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) {
+        float sum = 0.0f;
+        for (int s = 0; s < splits; ++s) sum += router_logits[s * split_stride + t * (d.experts + 1) + e];
+        logits[e] = sum;
+    }
     __syncwarp();
     route(d, logits, chosen, chosen_weights);
     __syncwarp();

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use deltanet::GDN_CHUNK;
-use moe::max_group_tiles;
+use moe::{ROUTER_SPLITS, max_group_tiles};
 
 use super::gemm::on_tensor_cores;
 use super::timing::PrefillPart;
@@ -102,7 +102,7 @@ impl PrefillScratch {
             proj: z(n * proj)?,
             core: z(n * c.linear_value_dim().max(heads_hd))?,
             q: z(n * heads_hd)?,
-            router_logits: z(n * (c.num_experts + 1))?,
+            router_logits: z(ROUTER_SPLITS * n * (c.num_experts + 1))?,
             act: z(n * slots * inter)?,
             ids: stream.alloc_zeros::<i32>(n * slots)?,
             weights: z(n * slots)?,

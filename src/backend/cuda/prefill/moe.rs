@@ -5,12 +5,16 @@
 use anyhow::Result;
 use cudarc::driver::CudaSlice;
 
-use super::PrefillScratch;
+use super::{MATVEC_MAX_TOKENS, PrefillScratch};
 use crate::backend::cuda::gemm::{
     GEMM_GROUP_TOKENS, GEMM_ROWS, GEMM_THREADS, gemm_smem_bytes, on_tensor_cores,
 };
 use crate::backend::cuda::weights::{DeviceLayer, DeviceWeight, ptr};
 use crate::backend::cuda::{CudaBackend, MoeBuffers, MoeDims, arg, cfg};
+
+/// Splits of k for the router's product over a chunk: its few rows make few blocks, each with
+/// all of k to go through (gemm_q's split k; moe_route adds the partial sums).
+pub(super) const ROUTER_SPLITS: usize = 4;
 
 /// Assignments per tile of the grouped MoE product (GROUP_TILE in moe.cu): one block's tokens.
 pub(super) const GROUP_TILE: usize = GEMM_GROUP_TOKENS;
@@ -66,16 +70,33 @@ impl CudaBackend {
         let post = p(&layer.post_norm);
         let router = p(&ps.router_logits);
         // Router first: a 4-bit router would reuse x16, which then holds the normed input.
-        self.project(ps, &layer.router, x, Some(post), router, false, n)?;
+        let splits = if on_tensor_cores(&layer.router) && n > MATVEC_MAX_TOKENS {
+            let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
+            let bits = layer.router.bits;
+            self.rows_to_half(x, c.hidden_size, Some(post), bits, n, x16, xs)?;
+            self.gemm_rows_split(&layer.router, x16, xs, n, router, ROUTER_SPLITS)?;
+            ROUTER_SPLITS
+        } else {
+            self.project(ps, &layer.router, x, Some(post), router, false, n)?;
+            1
+        };
         let dims = MoeDims::new(c);
         let (ids, weights) = (ptr(&ps.ids, s), p(&ps.weights));
-        // SAFETY: router_logits, ids and weights hold n rows.
+        let (splits32, split_stride) = (splits as i32, n * (c.num_experts + 1));
+        // SAFETY: router_logits holds `splits` slices of n rows, ids and weights n rows.
         unsafe {
             self.launch(
                 "moe_route",
                 &self.k.moe_route,
                 cfg(n as u32, 1, 32, 0),
-                &mut [arg(&dims), arg(&router), arg(&ids), arg(&weights)],
+                &mut [
+                    arg(&dims),
+                    arg(&router),
+                    arg(&splits32),
+                    arg(&split_stride),
+                    arg(&ids),
+                    arg(&weights),
+                ],
             )
         }?;
         let (order, tiles, tile_count) =
@@ -214,13 +235,13 @@ impl CudaBackend {
         actscale: u64,
     ) -> Result<()> {
         let (per, stride, offset) = pick;
-        let (width, bits) = (width as i32, bits as i32);
+        let (width, bits, rows32) = (width as i32, bits as i32, rows as i32);
         // SAFETY: gate, up, act16 hold `rows` rows of `width`; weights covers every row's pick.
         unsafe {
             self.launch(
                 "swiglu_to_half",
                 &self.k.swiglu_to_half,
-                cfg(rows as u32, 1, 256, 0),
+                cfg(rows.div_ceil(8) as u32, 1, 256, 0),
                 &mut [
                     arg(&gate),
                     arg(&up),
@@ -230,6 +251,7 @@ impl CudaBackend {
                     arg(&offset),
                     arg(&width),
                     arg(&bits),
+                    arg(&rows32),
                     arg(&act16),
                     arg(&actscale),
                 ],
