@@ -220,52 +220,78 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_conv_ring(DeltaNetDim
 // deltanet_chunk_output), or token by token in deltanet_scan for heads that form does not take;
 // then deltanet_gated_norm in parallel again.
 
+#define CONV_RUN 16 // consecutive tokens per thread of deltanet_conv_chunk
+
 // act[t, ch] = silu(causal conv of channel ch at token t): the inputs before position[0] come
-// from the ring. Grid: (ceil(conv_dim / 256), tokens).
+// from the ring. A thread takes one channel over CONV_RUN consecutive tokens, with the taps and
+// the last inputs in registers, so each input is read once. Grid: (ceil(conv_dim / 256),
+// ceil(tokens / CONV_RUN)).
 extern "C" __global__ void __launch_bounds__(256) deltanet_conv_chunk(DeltaNetDims d, const float* proj,
                                                                     const float* conv_ring, const float* conv_w,
-                                                                    const int* position, float* act) {
+                                                                    const int* position, int tokens, float* act) {
     wait_for_previous_kernel();
     const int conv_dim = 2 * d.key_heads * d.key_dim + d.value_heads * d.value_dim;
     const int proj_width = deltanet_proj_width(d, conv_dim);
-    const int ch = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x, t0 = blockIdx.y * CONV_RUN;
     if (ch >= conv_dim) return;
-    const int pos0 = position[0];
-    float acc = 0.0f;
-    for (int j = 0; j < d.kernel; ++j) {
-        // Tap kernel - 1 - j takes the input j steps back.
-        const int back = t - j;
-        float in = 0.0f;
-        if (back >= 0) in = proj[(size_t)back * proj_width + ch];
-        else if (pos0 + back >= 0) in = conv_ring[((pos0 + back) % d.kernel) * conv_dim + ch];
-        acc += conv_w[ch * d.kernel + d.kernel - 1 - j] * in;
+    const int pos0 = position[0], K = d.kernel;
+    // The input `back` tokens into the chunk (negative: from the ring, zero before the sequence).
+    const auto input = [&](int back) {
+        if (back >= 0) return proj[(size_t)back * proj_width + ch];
+        return pos0 + back >= 0 ? conv_ring[((pos0 + back) % K) * conv_dim + ch] : 0.0f;
+    };
+    // tap[j]: the weight of the input j tokens back (tap K - 1 - j of the filter; 0 past it);
+    // past[i]: the input MAX_CONV_KERNEL - 1 - i tokens before the current one.
+    float tap[MAX_CONV_KERNEL], past[MAX_CONV_KERNEL - 1];
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL; ++j) tap[j] = j < K ? conv_w[ch * K + K - 1 - j] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < MAX_CONV_KERNEL - 1; ++i) {
+        const int back = MAX_CONV_KERNEL - 1 - i;
+        past[i] = back < K ? input(t0 - back) : 0.0f;
     }
-    act[(size_t)t * conv_dim + ch] = silu(acc);
+    const int end = min(t0 + CONV_RUN, tokens);
+    for (int t = t0; t < end; ++t) {
+        const float cur = proj[(size_t)t * proj_width + ch];
+        float acc = tap[0] * cur;
+#pragma unroll
+        for (int j = 1; j < MAX_CONV_KERNEL; ++j) acc += tap[j] * past[MAX_CONV_KERNEL - 1 - j];
+#pragma unroll
+        for (int i = 0; i + 1 < MAX_CONV_KERNEL - 1; ++i) past[i] = past[i + 1];
+        past[MAX_CONV_KERNEL - 2] = cur;
+        act[(size_t)t * conv_dim + ch] = silu(acc);
+    }
 }
 
 // L2-normalises each key head's q (also scaled by 1/sqrt(key_dim)) and k in act, and writes the
 // gates of its value heads: gates[t, h] = (beta, g), g <= 0 the log of the decay (a log, so
-// that the chunkwise form never takes the log of an underflowed decay). Grid: (key_heads,
-// tokens), key_dim threads rounded up to whole warps.
+// that the chunkwise form never takes the log of an underflowed decay). One warp per (token,
+// key head), 8 per block. Grid: ceil(tokens * key_heads / 8), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) deltanet_norm_chunk(DeltaNetDims d, const float* proj,
                                                                     const float* a_log, const float* dt_bias,
-                                                                    float* act, float2* gates) {
-    __shared__ float scratch[32];
+                                                                    int tokens, float* act, float2* gates) {
     wait_for_previous_kernel();
-    const int kh = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
+    const int lane = threadIdx.x & 31, item = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (item >= tokens * d.key_heads) return;
+    const int t = item / d.key_heads, kh = item % d.key_heads;
     const int key_width = d.key_heads * d.key_dim;
     const int conv_dim = 2 * key_width + d.value_heads * d.value_dim;
-    float* row = act + (size_t)t * conv_dim;
-    const bool mine = i < d.key_dim;
-    const float q = mine ? row[kh * d.key_dim + i] : 0.0f, k = mine ? row[key_width + kh * d.key_dim + i] : 0.0f;
-    const float qs = block_sum(q * q, scratch);
-    const float ks = block_sum(k * k, scratch);
-    if (mine) {
-        row[kh * d.key_dim + i] = q * rsqrtf(qs + 1e-6f) * rsqrtf((float)d.key_dim);
-        row[key_width + kh * d.key_dim + i] = k * rsqrtf(ks + 1e-6f);
+    float* q = act + (size_t)t * conv_dim + kh * d.key_dim;
+    float* k = q + key_width;
+    float qs = 0.0f, ks = 0.0f;
+    for (int i = lane; i < d.key_dim; i += 32) {
+        qs += q[i] * q[i];
+        ks += k[i] * k[i];
+    }
+    qs = warp_sum(qs);
+    ks = warp_sum(ks);
+    const float q_scale = rsqrtf(qs + 1e-6f) * rsqrtf((float)d.key_dim), k_scale = rsqrtf(ks + 1e-6f);
+    for (int i = lane; i < d.key_dim; i += 32) {
+        q[i] *= q_scale;
+        k[i] *= k_scale;
     }
     const int ratio = d.value_heads / d.key_heads;
-    if (i < ratio) {
+    for (int i = lane; i < ratio; i += 32) {
         const int h = kh * ratio + i;
         const float* zba = proj + (size_t)t * deltanet_proj_width(d, conv_dim) + conv_dim;
         const float b = zba[d.value_heads * d.value_dim + h];
@@ -781,19 +807,19 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_output(DeltaNet
     }
 }
 
-// out[t, h] = RMSNorm(o[t, h]) * norm_w * silu(z[t, h]) over each head's value_dim outputs.
-// Grid: (value_heads, tokens), value_dim threads rounded up to whole warps.
+// out[t, h] = RMSNorm(o[t, h]) * norm_w * silu(z[t, h]) over each head's value_dim outputs. One
+// warp per (token, value head), 8 per block. Grid: ceil(tokens * value_heads / 8), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) deltanet_gated_norm(DeltaNetDims d, const float* o, const float* proj,
-                                                                    const float* norm_w, float* out) {
-    __shared__ float scratch[32];
+                                                                    const float* norm_w, int tokens, float* out) {
     wait_for_previous_kernel();
-    const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
+    const int lane = threadIdx.x & 31, item = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (item >= tokens * d.value_heads) return;
+    const int t = item / d.value_heads, h = item % d.value_heads;
     const int conv_dim = 2 * d.key_heads * d.key_dim + d.value_heads * d.value_dim;
-    const bool mine = i < d.value_dim;
-    const size_t at = (size_t)t * d.value_heads * d.value_dim + (size_t)h * d.value_dim + i;
-    const float x = mine ? o[at] : 0.0f;
-    const float ss = block_sum(x * x, scratch);
-    if (!mine) return;
-    const float z = proj[(size_t)t * deltanet_proj_width(d, conv_dim) + conv_dim + h * d.value_dim + i];
-    out[at] = x * rsqrtf(ss / d.value_dim + d.eps) * norm_w[i] * silu(z);
+    const size_t at = (size_t)t * d.value_heads * d.value_dim + (size_t)h * d.value_dim;
+    const float* z = proj + (size_t)t * deltanet_proj_width(d, conv_dim) + conv_dim + h * d.value_dim;
+    float ss = 0.0f;
+    for (int i = lane; i < d.value_dim; i += 32) ss += o[at + i] * o[at + i];
+    const float inv = rsqrtf(warp_sum(ss) / d.value_dim + d.eps);
+    for (int i = lane; i < d.value_dim; i += 32) out[at + i] = o[at + i] * inv * norm_w[i] * silu(z[i]);
 }

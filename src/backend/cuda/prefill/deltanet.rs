@@ -14,6 +14,10 @@ use crate::config::ModelConfig;
 /// Tokens per sub-chunk of the chunkwise DeltaNet recurrence (GDN_CHUNK in deltanet.cu). Its
 /// scratch holds whole sub-chunks.
 pub(super) const GDN_CHUNK: usize = 64;
+
+/// Consecutive tokens per thread of deltanet_conv_chunk (CONV_RUN in deltanet.cu).
+const CONV_RUN: usize = 16;
+
 /// Row stride of the state, U and V' tiles in `deltanet_chunk_state`'s shared memory
 /// (GDN_STATE_STRIDE).
 const GDN_STATE_STRIDE: usize = 40;
@@ -85,7 +89,6 @@ impl CudaBackend {
             ptr(&ps.gdn_gates, s),
             ptr(&ps.gdn_raw, s),
         );
-        let whole_warps = |threads: usize| threads.div_ceil(32) as u32 * 32;
         let n32 = n as i32;
         // SAFETY (all launches in this function): the chunk buffers hold n rows of conv_dim
         // floats (act), value_heads gates and value_heads * value_dim outputs (raw, out); the
@@ -94,30 +97,32 @@ impl CudaBackend {
             self.launch(
                 "deltanet_conv_chunk",
                 &self.k.deltanet_conv_chunk,
-                cfg(c.linear_conv_dim().div_ceil(256) as u32, n as u32, 256, 0),
+                cfg(
+                    c.linear_conv_dim().div_ceil(256) as u32,
+                    n.div_ceil(CONV_RUN) as u32,
+                    256,
+                    0,
+                ),
                 &mut [
                     arg(l.dims),
                     arg(&l.proj),
                     arg(&l.conv),
                     arg(&l.conv_w),
                     arg(&l.position),
+                    arg(&n32),
                     arg(&act),
                 ],
             )?;
             self.launch(
                 "deltanet_norm_chunk",
                 &self.k.deltanet_norm_chunk,
-                cfg(
-                    c.linear_num_key_heads as u32,
-                    n as u32,
-                    whole_warps(c.linear_key_head_dim),
-                    0,
-                ),
+                cfg((n * c.linear_num_key_heads).div_ceil(8) as u32, 1, 256, 0),
                 &mut [
                     arg(l.dims),
                     arg(&l.proj),
                     arg(&l.a_log),
                     arg(&l.dt_bias),
+                    arg(&n32),
                     arg(&act),
                     arg(&gates),
                 ],
@@ -149,17 +154,13 @@ impl CudaBackend {
             self.launch(
                 "deltanet_gated_norm",
                 &self.k.deltanet_gated_norm,
-                cfg(
-                    c.linear_num_value_heads as u32,
-                    n as u32,
-                    whole_warps(c.linear_value_head_dim),
-                    0,
-                ),
+                cfg((n * c.linear_num_value_heads).div_ceil(8) as u32, 1, 256, 0),
                 &mut [
                     arg(l.dims),
                     arg(&raw),
                     arg(&l.proj),
                     arg(&l.norm),
+                    arg(&n32),
                     arg(&l.out),
                 ],
             )?;
