@@ -337,6 +337,32 @@ impl CudaBackend {
         }
         Ok(())
     }
+
+    /// y = W · x as `project` (not accumulating), the tensor-core product split `splits` ways
+    /// along k: y then holds `splits` slices of n rows of partial sums, for the reader to add up.
+    /// Returns the slices written: `splits`, or 1 where the mat-vec takes the product.
+    #[allow(clippy::too_many_arguments)]
+    fn project_split(
+        &self,
+        ps: &PrefillScratch,
+        w: &DeviceWeight,
+        x: u64,
+        norm: Option<u64>,
+        y: u64,
+        n: usize,
+        splits: usize,
+    ) -> Result<usize> {
+        let s = &self.stream;
+        if on_tensor_cores(w) && n > MATVEC_MAX_TOKENS {
+            let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
+            self.rows_to_half(x, w.cols, norm, w.bits, n, x16, xs)?;
+            self.gemm_rows_split(w, x16, xs, n, y, splits)?;
+            Ok(splits)
+        } else {
+            self.matvec(w, x, norm, y, false, n)?;
+            Ok(1)
+        }
+    }
 }
 
 /// Dynamic shared memory of `attention_prefill`: its query, key and value tiles in bf16, rows of

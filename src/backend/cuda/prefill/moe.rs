@@ -5,7 +5,7 @@
 use anyhow::Result;
 use cudarc::driver::CudaSlice;
 
-use super::{MATVEC_MAX_TOKENS, PrefillScratch};
+use super::PrefillScratch;
 use crate::backend::cuda::gemm::{
     GEMM_GROUP_TOKENS, GEMM_ROWS, GEMM_THREADS, gemm_smem_bytes, on_tensor_cores,
 };
@@ -70,16 +70,8 @@ impl CudaBackend {
         let post = p(&layer.post_norm);
         let router = p(&ps.router_logits);
         // Router first: a 4-bit router would reuse x16, which then holds the normed input.
-        let splits = if on_tensor_cores(&layer.router) && n > MATVEC_MAX_TOKENS {
-            let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
-            let bits = layer.router.bits;
-            self.rows_to_half(x, c.hidden_size, Some(post), bits, n, x16, xs)?;
-            self.gemm_rows_split(&layer.router, x16, xs, n, router, ROUTER_SPLITS)?;
-            ROUTER_SPLITS
-        } else {
-            self.project(ps, &layer.router, x, Some(post), router, false, n)?;
-            1
-        };
+        let splits =
+            self.project_split(ps, &layer.router, x, Some(post), router, n, ROUTER_SPLITS)?;
         let dims = MoeDims::new(c);
         let (ids, weights) = (ptr(&ps.ids, s), p(&ps.weights));
         let (splits32, split_stride) = (splits as i32, n * (c.num_experts + 1));
