@@ -1,14 +1,16 @@
 // Prefill matrix products on tensor cores: Y[t, n] = sum_k X[t, k] W[n, k] for a block of tokens
 // at once, W in MLX 4-bit or 8-bit (dequantised in registers, never expanded in device memory).
 //
-// Hopper's warpgroup products (wgmma m64n64k16, fp16 in, f32 accumulate) with the weight rows as
-// the M side, dequantised into registers (the A operand), and the tokens as the N side, read by
-// the tensor cores from shared memory (the B operand). A dot product does not care in which order it visits k, so each lane takes the
-// k values that are cheap for it. 4-bit: in a 32-bit word of 8 nibbles, lane c of a quad takes
-// nibbles c and c + 4, which one shift and one LOP3 turn into a half2 (1024 + q_c, 1024 + q_{c+4});
-// the inputs are stored with the same permutation, (0, 4, 1, 5, 2, 6, 3, 7) within each group of
-// 8, so the matching pair of x values is one 32-bit word. 8-bit: lane c takes bytes (c & 1) and
-// (c & 1) + 2 of word c / 2 of the 8 inputs, so the inputs are stored as (0, 2, 1, 3, 4, 6, 5, 7).
+// Hopper's warpgroup products (wgmma m64nNk16, N = 128 tokens for dense products and 64 for the
+// experts' tiles; fp16 in, f32 accumulate) with the weight rows as the M side, dequantised into
+// registers (the A operand), and the tokens as the N side, read by the tensor cores from shared
+// memory (the B operand). A dot product does not care in which order it visits k, so each lane
+// takes the k values that are cheap for it. 4-bit: in a 32-bit word of 8 nibbles, lane c of a
+// quad takes nibbles c and c + 4, which one shift and one LOP3 turn into a half2
+// (1024 + q_c, 1024 + q_{c+4}); the inputs are stored with the same permutation,
+// (0, 4, 1, 5, 2, 6, 3, 7) within each group of 8, so the matching pair of x values is one
+// 32-bit word. 8-bit: lane c takes bytes (c & 1) and (c & 1) + 2 of word c / 2 of the 8 inputs,
+// so the inputs are stored as (0, 2, 1, 3, 4, 6, 5, 7).
 //
 // fp16 holds x after division by a per-token power of two (|x / s| < 2^15); the products
 // accumulate in f32 and the epilogue multiplies s back.
@@ -202,7 +204,8 @@ __device__ __forceinline__ void wgmma_tile<128>(float (&d)[64], const uint32_t (
 // y[out(i), r] (+)= sum_k x16[in(i), k] w[row_base + r, k] * xscale[in(i)] (in and out: the
 // input and output rows of the tile's token i, see TokenTile) for the tile's tokens (at most
 // TOKENS) and the block's 128 rows r from row_block * 128 (below `rows`); y rows are `rows`
-// floats wide. The sum runs over split `split` of `splits` equal runs of k (all of it for one). The grids put the token tiles along x, so the blocks that share a row block run
+// floats wide. The sum runs over split `split` of `splits` equal runs of k (all of k for one
+// split). The grids put the token tiles along x, so the blocks that share a row block run
 // together and read its weights from DRAM once.
 //
 // Weights, inputs and the words holding the rows' scales and biases stream through GEMM_STAGES
