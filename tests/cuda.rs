@@ -258,7 +258,7 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 /// The prefill path's tensor-core product (4- and 8-bit weights dequantised in registers, inputs
 /// in fp16) against an f64 product of the same dequantised weights: every quantised matrix of the
 /// fixture (the routers stay 8-bit in a 4-bit conversion), at three group sizes and both widths,
-/// times a token count that leaves the last block partly empty.
+/// times a token count that leaves the last block partly empty, whole and split along k.
 #[test]
 fn tensor_core_matmul_matches_the_dequantised_product() {
     for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 64)] {
@@ -295,15 +295,20 @@ fn tensor_core_matmul_matches_the_dequantised_product() {
                     })
                 })
                 .collect();
-            let got = gpu.matmul_q(w, &x, tokens).unwrap();
-            let err = relative_error(&got, &want);
-            // fp16 inputs and weights round at 2^-11; the GPU also keeps scales and biases in bf16.
-            assert!(
-                err < 5e-3,
-                "{bits}-bit group {group_size}, {}x{}: relative error {err:.2e}",
-                w.rows,
-                w.cols
-            );
+            // One split, and three (the router's split product; with few k steps some splits
+            // get none and must write zeros).
+            for splits in [1, 3] {
+                let got = gpu.matmul_q(w, &x, tokens, splits).unwrap();
+                let err = relative_error(&got, &want);
+                // fp16 inputs and weights round at 2^-11; the GPU also keeps scales and biases
+                // in bf16.
+                assert!(
+                    err < 5e-3,
+                    "{bits}-bit group {group_size}, {}x{}, {splits} splits: relative error {err:.2e}",
+                    w.rows,
+                    w.cols
+                );
+            }
             checked += 1;
         }
         println!("{bits}-bit, group size {group_size}: {checked} matrices within 5e-3");

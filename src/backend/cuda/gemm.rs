@@ -35,9 +35,16 @@ pub(super) fn on_tensor_cores(w: &DeviceWeight) -> bool {
 
 impl CudaBackend {
     /// `x` ([tokens, w.cols], row-major) times the transpose of the 4- or 8-bit matrix `w` on the
-    /// GPU: [tokens, w.rows], row-major. Uploads both, so it serves checks and measurements;
-    /// prefill runs the same kernels on device buffers.
-    pub fn matmul_q(&self, w: &Matrix, x: &[f32], tokens: usize) -> Result<Vec<f32>> {
+    /// GPU: [tokens, w.rows], row-major, the products split `splits` ways along k (1: not split;
+    /// more: the partial sums the router's product leaves, added up here). Uploads both, so it
+    /// serves checks and measurements; prefill runs the same kernels on device buffers.
+    pub fn matmul_q(
+        &self,
+        w: &Matrix,
+        x: &[f32],
+        tokens: usize,
+        splits: usize,
+    ) -> Result<Vec<f32>> {
         let Storage::Quantized(q) = &w.storage else {
             anyhow::bail!("matmul_q takes a quantised matrix, not a dense one");
         };
@@ -53,16 +60,26 @@ impl CudaBackend {
             x.len(),
             w.cols
         );
+        ensure!(splits > 0, "a product runs in at least one split");
         let s = &self.stream;
         let weight = DeviceWeight::upload(s, &[w])?;
         let x_dev = s.clone_htod(x)?;
         let x16 = s.alloc_zeros::<u16>(x.len())?;
         let xscale = s.alloc_zeros::<f32>(tokens)?;
-        let y = s.alloc_zeros::<f32>(tokens * w.rows)?;
+        let y = s.alloc_zeros::<f32>(splits * tokens * w.rows)?;
         let (x16p, sp) = (ptr(&x16, s), ptr(&xscale, s));
         self.rows_to_half(ptr(&x_dev, s), w.cols, None, weight.bits, tokens, x16p, sp)?;
-        self.gemm_rows(&weight, x16p, sp, tokens, ptr(&y, s), false)?;
-        Ok(s.clone_dtoh(&y)?)
+        if splits == 1 {
+            self.gemm_rows(&weight, x16p, sp, tokens, ptr(&y, s), false)?;
+        } else {
+            self.gemm_rows_split(&weight, x16p, sp, tokens, ptr(&y, s), splits)?;
+        }
+        let partial = s.clone_dtoh(&y)?;
+        let mut out = partial[..tokens * w.rows].to_vec();
+        for slice in partial.chunks_exact(tokens * w.rows).skip(1) {
+            out.iter_mut().zip(slice).for_each(|(o, p)| *o += p);
+        }
+        Ok(out)
     }
 
     /// x16, xscale = the `n` rows of `cols` floats at `x` (RMS-normalised and scaled by `norm`
