@@ -69,11 +69,7 @@ impl CudaBackend {
         let y = s.alloc_zeros::<f32>(splits * tokens * w.rows)?;
         let (x16p, sp) = (ptr(&x16, s), ptr(&xscale, s));
         self.rows_to_half(ptr(&x_dev, s), w.cols, None, weight.bits, tokens, x16p, sp)?;
-        if splits == 1 {
-            self.gemm_rows(&weight, x16p, sp, tokens, ptr(&y, s), false)?;
-        } else {
-            self.gemm_rows_split(&weight, x16p, sp, tokens, ptr(&y, s), splits)?;
-        }
+        self.gemm_rows_split(&weight, x16p, sp, tokens, ptr(&y, s), false, splits)?;
         let partial = s.clone_dtoh(&y)?;
         let mut out = partial[..tokens * w.rows].to_vec();
         for slice in partial.chunks_exact(tokens * w.rows).skip(1) {
@@ -127,12 +123,14 @@ impl CudaBackend {
         y: u64,
         accumulate: bool,
     ) -> Result<()> {
-        self.gemm_dense([w; 2], 1, (x16, xscale), n, [y; 2], accumulate, 1)
+        self.gemm_rows_split(w, x16, xscale, n, y, accumulate, 1)
     }
 
-    /// y[s] = the sum over split s of `splits` equal runs of k of x16 · wᵀ, slices of n rows of
-    /// w.rows one after the other in y, for the reader to add up: products of few rows (the
-    /// router) make few blocks, each with all of k to go through otherwise.
+    /// As `gemm_rows` in `splits` equal runs of k: with more than one, y[s] = the sum over run s,
+    /// slices of n rows of w.rows one after the other in y, for the reader to add up (and no
+    /// accumulating): products of few rows (the router) make few blocks, each with all of k to
+    /// go through otherwise.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm_rows_split(
         &self,
         w: &DeviceWeight,
@@ -140,9 +138,18 @@ impl CudaBackend {
         xscale: u64,
         n: usize,
         y: u64,
+        accumulate: bool,
         splits: usize,
     ) -> Result<()> {
-        self.gemm_dense([w; 2], 1, (x16, xscale), n, [y; 2], false, splits as u32)
+        self.gemm_dense(
+            [w; 2],
+            1,
+            (x16, xscale),
+            n,
+            [y; 2],
+            accumulate,
+            splits as u32,
+        )
     }
 
     /// y[i] = x16 · w[i]ᵀ for two matrices (the shared expert's gate and up): one launch when

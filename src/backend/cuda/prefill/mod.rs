@@ -325,22 +325,14 @@ impl CudaBackend {
         accumulate: bool,
         n: usize,
     ) -> Result<()> {
-        let s = &self.stream;
-        // A few rows (the last position's logits, short prompts) read the weights once either
-        // way, and the mat-vec reads them at full bandwidth without padding the token tile.
-        if on_tensor_cores(w) && n > MATVEC_MAX_TOKENS {
-            let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
-            self.rows_to_half(x, w.cols, norm, w.bits, n, x16, xs)?;
-            self.gemm_rows(w, x16, xs, n, y, accumulate)?;
-        } else {
-            self.matvec(w, x, norm, y, accumulate, n)?;
-        }
+        self.project_split(ps, w, x, norm, y, accumulate, n, 1)?;
         Ok(())
     }
 
-    /// y = W · x as `project` (not accumulating), the tensor-core product split `splits` ways
-    /// along k: y then holds `splits` slices of n rows of partial sums, for the reader to add up.
-    /// Returns the slices written: `splits`, or 1 where the mat-vec takes the product.
+    /// As `project`, the tensor-core product split `splits` ways along k: with more than one,
+    /// y holds `splits` slices of n rows of partial sums, for the reader to add up (and cannot
+    /// accumulate). Returns the slices written: `splits`, or 1 where the mat-vec takes the
+    /// product.
     #[allow(clippy::too_many_arguments)]
     fn project_split(
         &self,
@@ -349,17 +341,20 @@ impl CudaBackend {
         x: u64,
         norm: Option<u64>,
         y: u64,
+        accumulate: bool,
         n: usize,
         splits: usize,
     ) -> Result<usize> {
         let s = &self.stream;
+        // A few rows (the last position's logits, short prompts) read the weights once either
+        // way, and the mat-vec reads them at full bandwidth without padding the token tile.
         if on_tensor_cores(w) && n > MATVEC_MAX_TOKENS {
             let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
             self.rows_to_half(x, w.cols, norm, w.bits, n, x16, xs)?;
-            self.gemm_rows_split(w, x16, xs, n, y, splits)?;
+            self.gemm_rows_split(w, x16, xs, n, y, accumulate, splits)?;
             Ok(splits)
         } else {
-            self.matvec(w, x, norm, y, false, n)?;
+            self.matvec(w, x, norm, y, accumulate, n)?;
             Ok(1)
         }
     }

@@ -70,8 +70,16 @@ impl CudaBackend {
         let post = p(&layer.post_norm);
         let router = p(&ps.router_logits);
         // Router first: a 4-bit router would reuse x16, which then holds the normed input.
-        let splits =
-            self.project_split(ps, &layer.router, x, Some(post), router, n, ROUTER_SPLITS)?;
+        let splits = self.project_split(
+            ps,
+            &layer.router,
+            x,
+            Some(post),
+            router,
+            false,
+            n,
+            ROUTER_SPLITS,
+        )?;
         let dims = MoeDims::new(c);
         let (ids, weights) = (ptr(&ps.ids, s), p(&ps.weights));
         let (splits32, split_stride) = (splits as i32, n * (c.num_experts + 1));
