@@ -178,7 +178,7 @@ struct ServeArgs {
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
     /// Prompt tokens prefilled per engine step (long prompts are split into chunks this size;
-    /// decode steps of other requests run between chunks) [default: 512 on the CPU, 2048 on
+    /// decode steps of other requests run between chunks) [default: 512 on the CPU, 4096 on
     /// CUDA, where a chunk reads every expert's weights once].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     prefill_chunk: Option<u32>,
@@ -481,7 +481,7 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
 /// Default `serve --prefill-chunk` per device: short on the CPU so that decode steps of other
 /// requests are not held up long; on CUDA the backend's own chunk (`DEFAULT_PREFILL_CHUNK`).
 const CPU_PREFILL_CHUNK: usize = 512;
-const CUDA_PREFILL_CHUNK: usize = 2048;
+const CUDA_PREFILL_CHUNK: usize = 4096;
 #[cfg(feature = "cuda")]
 const _: () = assert!(CUDA_PREFILL_CHUNK == lily::backend::cuda::DEFAULT_PREFILL_CHUNK);
 

@@ -4,10 +4,8 @@
 //! do not take, the sequential scan, then the gated norm in parallel again.
 
 use anyhow::Result;
-use cudarc::driver::CudaSlice;
 
 use super::PrefillScratch;
-use crate::backend::cuda::weights::ptr;
 use crate::backend::cuda::{CudaBackend, DeltaNetParams, arg, cfg};
 use crate::config::ModelConfig;
 
@@ -83,12 +81,9 @@ impl CudaBackend {
     /// chunkwise form (`deltanet_chunkwise`) where it takes the heads, else in `deltanet_scan`, the
     /// gated norm in parallel again.
     fn deltanet_prefill(&self, ps: &PrefillScratch, l: &DeltaNetParams, n: usize) -> Result<()> {
-        let (c, s) = (&self.config, &self.stream);
-        let (act, gates, raw) = (
-            ptr(&ps.gdn_act, s),
-            ptr(&ps.gdn_gates, s),
-            ptr(&ps.gdn_raw, s),
-        );
+        let c = &self.config;
+        let m = &ps.mixer;
+        let (act, gates, raw) = (m.gdn_act, m.gdn_gates, m.gdn_raw);
         let n32 = n as i32;
         // SAFETY (all launches in this function): the chunk buffers hold n rows of conv_dim
         // floats (act), value_heads gates and value_heads * value_dim outputs (raw, out); the
@@ -174,10 +169,10 @@ impl CudaBackend {
     /// multiple of 32: gdn_state_cols in deltanet.cu), then the intra-sub-chunk part of
     /// the output per (value head, sub-chunk) in parallel again. Writes raw and the final state.
     fn deltanet_chunkwise(&self, ps: &PrefillScratch, l: &DeltaNetParams, n: usize) -> Result<()> {
-        let (c, s) = (&self.config, &self.stream);
-        let p = |b: &CudaSlice<f32>| ptr(b, s);
-        let (act, gates, raw) = (p(&ps.gdn_act), p(&ps.gdn_gates), p(&ps.gdn_raw));
-        let (gcum, w, values) = (ptr(&ps.gdn_gcum, s), p(&ps.gdn_w), p(&ps.gdn_values));
+        let c = &self.config;
+        let m = &ps.mixer;
+        let (act, gates, raw) = (m.gdn_act, m.gdn_gates, m.gdn_raw);
+        let (gcum, w, values) = (m.gdn_gcum, m.gdn_w, m.gdn_values);
         let (heads, kd, vd) = (
             c.linear_num_value_heads,
             c.linear_key_head_dim,

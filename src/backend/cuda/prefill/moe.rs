@@ -45,12 +45,11 @@ impl CudaBackend {
         {
             self.moe_chunk_grouped(ps, layer, x, n)
         } else {
-            let s = &self.stream;
             let buffers = MoeBuffers {
-                router_logits: ptr(&ps.router_logits, s),
-                act: ptr(&ps.act, s),
-                ids: ptr(&ps.ids, s),
-                weights: ptr(&ps.weights, s),
+                router_logits: ps.moe.router_logits,
+                act: ps.moe.act,
+                ids: ps.moe.ids,
+                weights: ps.moe.weights,
             };
             self.moe(layer, &buffers, x, n)
         }
@@ -68,7 +67,7 @@ impl CudaBackend {
         let (c, s) = (&self.config, &self.stream);
         let p = |b: &CudaSlice<f32>| ptr(b, s);
         let post = p(&layer.post_norm);
-        let router = p(&ps.router_logits);
+        let (m, router) = (&ps.moe, ps.moe.router_logits);
         // Router first: a 4-bit router would reuse x16, which then holds the normed input.
         let splits = self.project_split(
             ps,
@@ -81,7 +80,7 @@ impl CudaBackend {
             ROUTER_SPLITS,
         )?;
         let dims = MoeDims::new(c);
-        let (ids, weights) = (ptr(&ps.ids, s), p(&ps.weights));
+        let (ids, weights) = (m.ids, m.weights);
         let (splits32, split_stride) = (splits as i32, n * (c.num_experts + 1));
         // SAFETY: router_logits holds `splits` slices of n rows, ids and weights n rows.
         unsafe {
@@ -99,8 +98,7 @@ impl CudaBackend {
                 ],
             )
         }?;
-        let (order, tiles, tile_count) =
-            (ptr(&ps.order, s), ptr(&ps.tiles, s), ptr(&ps.tile_count, s));
+        let (order, tiles, tile_count) = (m.order, m.tiles, m.tile_count);
         let n32 = n as i32;
         // SAFETY: order holds n * top_k entries, tiles max_group_tiles triples.
         unsafe {
@@ -121,8 +119,8 @@ impl CudaBackend {
         // The normed input of every expert, shared included, in fp16.
         let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
         self.rows_to_half(x, c.hidden_size, Some(post), layer.gate.bits, n, x16, xs)?;
-        let (gate_rows, up_rows, down_rows) = (p(&ps.gate_rows), p(&ps.up_rows), p(&ps.down_rows));
-        let (act16, actscale) = (ptr(&ps.act16, s), p(&ps.actscale));
+        let (gate_rows, up_rows, down_rows) = (m.gate_rows, m.up_rows, m.down_rows);
+        let (act16, actscale) = (m.act16, m.actscale);
         let top_k = c.num_experts_per_tok as i32;
         let tiles_max = max_group_tiles(c, self.prefill_chunk) as u32;
         // One launch for one or two stacked expert matrices with the same rows and inputs (gate
