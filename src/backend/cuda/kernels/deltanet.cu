@@ -444,11 +444,18 @@ __device__ __forceinline__ void copy_sub_chunk(float* dst, int dst_stride, const
     }
 }
 
-// The tf32 value nearest x, as the bits mma takes (the low 13 mantissa bits zero).
-__device__ __forceinline__ uint32_t tf32_bits(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+// x as the sum of two tf32 operands for 3xTF32: hi is x rounded to tf32 (half an ulp added to the
+// magnitude, the low 13 mantissa bits cleared), lo = x - hi exactly; mma reads only the top 10
+// mantissa bits of lo, so hi + lo is x to ~2^-21 relative. Three instructions, where
+// cvt.rna.tf32.f32 (emulated on sm_90: add, compare with inf, select, mask) took nine for the
+// pair. For finite inputs.
+struct Tf32Pair {
+    uint32_t hi, lo;
+};
+
+__device__ __forceinline__ Tf32Pair tf32_split(float x) {
+    const uint32_t hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    return {hi, __float_as_uint(x - __uint_as_float(hi))};
 }
 
 __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -459,19 +466,11 @@ __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// d += a b for one m16n8k8 tile in 3xTF32 (the small cross terms first).
-__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
-    uint32_t ah[4], al[4], bh[2], bl[2];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        ah[r] = tf32_bits(a[r]);
-        al[r] = tf32_bits(a[r] - __uint_as_float(ah[r]));
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        bh[r] = tf32_bits(b[r]);
-        bl[r] = tf32_bits(b[r] - __uint_as_float(bh[r]));
-    }
+// d += a b for one m16n8k8 tile in 3xTF32 (the small cross terms first), a and b split.
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                           const float (&b)[2]) {
+    const Tf32Pair b0 = tf32_split(b[0]), b1 = tf32_split(b[1]);
+    const uint32_t bh[2] = {b0.hi, b1.hi}, bl[2] = {b0.lo, b1.lo};
     mma_tf32_1688(d, al, bh);
     mma_tf32_1688(d, ah, bl);
     mma_tf32_1688(d, ah, bh);
@@ -488,11 +487,18 @@ __device__ __forceinline__ void warp_product_3xtf32(float (&acc)[NT][4], int kst
     for (int s = 0; s < ksteps; ++s) {
         const int k = 8 * s + c;
         const float af[4] = {a(g, k), a(g + 8, k), a(g, k + 4), a(g + 8, k + 4)};
+        uint32_t ah[4], al[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const Tf32Pair p = tf32_split(af[r]);
+            ah[r] = p.hi;
+            al[r] = p.lo;
+        }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             if (n >= tiles) continue;
             const float bf[2] = {b(k, 8 * n + g), b(k + 4, 8 * n + g)};
-            mma_3xtf32(acc[n], af, bf);
+            mma_3xtf32(acc[n], ah, al, bf);
         }
     }
 }
