@@ -620,15 +620,17 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
 // the columns' state through the sub-chunks in order. For each sub-chunk it turns U into
 // V' = U - W S in place in `values`, writes o = exp(G) (Q S) (the part of the output that comes
 // from the state at the sub-chunk's start) and moves the state on; the final state goes back to
-// `state`. Warps 0-3 compute V' for tokens 16w .. 16w + 15, warps 4-7 o for tokens
-// 16(w - 4) .. + 15, both from the state in shared memory; warp w then updates state rows
-// 16w .. 16w + 15, which it keeps in registers, and copies them to shared memory for the next
-// sub-chunk. The inputs are copied with cp.async a phase ahead: W, Q, U and G of the next
+// `state`. Warp w works on 16 columns, 16 (w % 2) .. + 15 (as far as the block has them): warps
+// 0-7 compute V' for tokens 16 (w / 2) .. + 15, warps 8-15 o for tokens 16 (w / 2 - 4) .. + 15,
+// both from the state in shared memory; warp w then updates state rows 16 (w / 2) .. + 15, which
+// it keeps in registers, and copies them to shared memory for the next sub-chunk. The products
+// are chains of dependent tensor-core and conversion instructions: 16 warps rather than 8 give
+// each scheduler twice the chains to interleave. The inputs are copied with cp.async a phase ahead: W, Q, U and G of the next
 // sub-chunk while this one's state update runs, K of this sub-chunk while its V' and o run.
-// Grid: value_heads * value_dim / cols blocks of 256 threads (8 warps).
+// Grid: value_heads * value_dim / cols blocks of 512 threads (16 warps).
 // Dynamic shared memory: (2 * 64 * (key_dim + 4) + 64 * (key_dim + 8) + (128 + key_dim) *
 // GDN_STATE_STRIDE) floats and 64 doubles (141 KiB at key_dim 128).
-extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_state(DeltaNetDims d, const float* act,
+extern "C" __global__ void __launch_bounds__(512) deltanet_chunk_state(DeltaNetDims d, const float* act,
                                                                      const double* gcum, const float* w,
                                                                      float* values, float* state, int tokens,
                                                                      float* o) {
@@ -638,7 +640,9 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_state(DeltaNetD
     const int h = blockIdx.x / slices, col0 = (blockIdx.x % slices) * cols;
     const int kh = h / (heads / d.key_heads);
     const int key_width = d.key_heads * kd, conv_dim = 2 * key_width + heads * vd;
-    const int warp = threadIdx.x >> 5;
+    const int warp = threadIdx.x >> 5, rows16 = warp >> 1;
+    // This warp's 8-column tiles: c_base .. c_base + 15, `tiles` of them within the block's.
+    const int c_base = 16 * (warp & 1), tiles = max(0, min(2, col_tiles - 2 * (warp & 1)));
     // Row strides: W and Q are read as A fragments (row, k): 4 mod 32 banks apart; K is read
     // transposed and the others as B fragments (k, column): 8 mod 32 apart.
     const int a_stride = kd + 4, k_stride = kd + 8;
@@ -668,18 +672,18 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_state(DeltaNetD
     load_k(0);
     cp_async_commit();
 
-    // Warp w's state rows (none past key_dim), as mma accumulators.
-    const bool owns_rows = 16 * warp < kd;
-    const int i0 = 16 * warp;
+    // The warp's state rows and columns (none past key_dim), as mma accumulators.
+    const bool owns_rows = 16 * rows16 < kd;
+    const int i0 = 16 * rows16;
     float* S = state + (size_t)h * kd * vd + col0;
-    float st[4][4];
+    float st[2][4];
 #pragma unroll
-    for (int n = 0; n < 4; ++n)
+    for (int n = 0; n < 2; ++n)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const int i = i0 + gdn_acc_row(r), c = 8 * n + gdn_acc_col(r);
-            st[n][r] = owns_rows && n < col_tiles ? S[(size_t)i * vd + c] : 0.0f;
-            if (owns_rows && n < col_tiles) s[i * GDN_STATE_STRIDE + c] = st[n][r];
+            const int i = i0 + gdn_acc_row(r), c = c_base + 8 * n + gdn_acc_col(r);
+            st[n][r] = owns_rows && n < tiles ? S[(size_t)i * vd + c] : 0.0f;
+            if (owns_rows && n < tiles) s[i * GDN_STATE_STRIDE + c] = st[n][r];
         }
 
     for (int t0 = 0; t0 < tokens; t0 += GDN_CHUNK) {
@@ -689,22 +693,23 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_state(DeltaNetD
         __syncthreads();
         const double last = G[present - 1];
 
-        // V' = U - W S (warps 0-3) or o = exp(G) (Q S) (warps 4-7) for tokens r0 .. r0 + 15.
+        // V' = U - W S (warps 0-7) or o = exp(G) (Q S) (warps 8-15) for tokens r0 .. r0 + 15.
         {
-            const int r0 = 16 * (warp & 3);
-            const float* a_tile = warp < 4 ? w_tile : q_tile;
-            float acc[4][4] = {};
-            warp_product_3xtf32<4>(
+            const bool v_warp = warp < 8;
+            const int r0 = 16 * (rows16 & 3);
+            const float* a_tile = v_warp ? w_tile : q_tile;
+            float acc[2][4] = {};
+            warp_product_3xtf32<2>(
                 acc, kd / 8, [&](int r, int k) { return a_tile[(r0 + r) * a_stride + k]; },
-                [&](int k, int c) { return s[k * GDN_STATE_STRIDE + c]; }, col_tiles);
+                [&](int k, int c) { return s[k * GDN_STATE_STRIDE + c_base + c]; }, tiles);
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < 2; ++n)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    const int t = r0 + gdn_acc_row(r), c = 8 * n + gdn_acc_col(r);
-                    if (n >= col_tiles) continue;
+                    const int t = r0 + gdn_acc_row(r), c = c_base + 8 * n + gdn_acc_col(r);
+                    if (n >= tiles) continue;
                     const size_t at = ((size_t)(t0 + t) * heads + h) * vd + col0 + c;
-                    if (warp < 4) {
+                    if (v_warp) {
                         const float vn = u_tile[t * GDN_STATE_STRIDE + c] - acc[n][r];
                         values[at] = vn;
                         v_new[t * GDN_STATE_STRIDE + c] = t < present ? expf((float)(last - G[t])) * vn : 0.0f;
@@ -720,21 +725,21 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_state(DeltaNetD
         cp_async_wait<1>(); // K
         __syncthreads();
 
-        // S <- exp(G_last) S + K^T (exp(G_last - G) V') for warp w's rows.
+        // S <- exp(G_last) S + K^T (exp(G_last - G) V') for the warp's rows and columns.
         if (owns_rows) {
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < 2; ++n)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) st[n][r] *= chunk_decay;
-            warp_product_3xtf32<4>(
+            warp_product_3xtf32<2>(
                 st, GDN_CHUNK / 8, [&](int r, int t) { return k_tile[t * k_stride + i0 + r]; },
-                [&](int t, int c) { return v_new[t * GDN_STATE_STRIDE + c]; }, col_tiles);
+                [&](int t, int c) { return v_new[t * GDN_STATE_STRIDE + c_base + c]; }, tiles);
 #pragma unroll
-            for (int n = 0; n < 4; ++n)
+            for (int n = 0; n < 2; ++n)
 #pragma unroll
                 for (int r = 0; r < 4; ++r)
-                    if (n < col_tiles)
-                        s[(i0 + gdn_acc_row(r)) * GDN_STATE_STRIDE + 8 * n + gdn_acc_col(r)] = st[n][r];
+                    if (n < tiles)
+                        s[(i0 + gdn_acc_row(r)) * GDN_STATE_STRIDE + c_base + 8 * n + gdn_acc_col(r)] = st[n][r];
         }
         __syncthreads(); // K and V' are free
         if (more) load_k(t0 + GDN_CHUNK);
@@ -742,10 +747,10 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_state(DeltaNetD
     }
     if (owns_rows)
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int r = 0; r < 4; ++r)
-                if (n < col_tiles) S[(size_t)(i0 + gdn_acc_row(r)) * vd + 8 * n + gdn_acc_col(r)] = st[n][r];
+                if (n < tiles) S[(size_t)(i0 + gdn_acc_row(r)) * vd + c_base + 8 * n + gdn_acc_col(r)] = st[n][r];
 }
 
 // Per (value head h, sub-chunk): adds the output's intra-sub-chunk term,

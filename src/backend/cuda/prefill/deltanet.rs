@@ -19,6 +19,8 @@ const CONV_RUN: usize = 16;
 /// Row stride of the state, U and V' tiles in `deltanet_chunk_state`'s shared memory
 /// (GDN_STATE_STRIDE).
 const GDN_STATE_STRIDE: usize = 40;
+/// Threads of a `deltanet_chunk_state` block (16 warps, its launch bounds).
+const GDN_STATE_THREADS: u32 = 512;
 /// Row stride of the 64 x 64 token tiles in the chunkwise kernels' shared memory (GDN_A_STRIDE).
 const GDN_A_STRIDE: usize = 68;
 
@@ -216,7 +218,7 @@ impl CudaBackend {
             self.launch(
                 "deltanet_chunk_state",
                 &self.k.deltanet_chunk_state,
-                cfg(state_blocks as u32, 1, 256, state_smem as u32),
+                cfg(state_blocks as u32, 1, GDN_STATE_THREADS, state_smem as u32),
                 &mut [
                     arg(l.dims),
                     arg(&act),
