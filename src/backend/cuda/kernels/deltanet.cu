@@ -466,24 +466,18 @@ __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// d += a b for one m16n8k8 tile in 3xTF32 (the small cross terms first), a and b split.
-__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
-                                           const float (&b)[2]) {
-    const Tf32Pair b0 = tf32_split(b[0]), b1 = tf32_split(b[1]);
-    const uint32_t bh[2] = {b0.hi, b1.hi}, bl[2] = {b0.lo, b1.lo};
-    mma_tf32_1688(d, al, bh);
-    mma_tf32_1688(d, ah, bl);
-    mma_tf32_1688(d, ah, bh);
-}
-
 // One warp: acc[n] += A B_n over `ksteps` * 8 inner indices, A a 16-row tile read through
 // a(row, k) (row < 16), B_n the n-th 8-column tile of B read through b(k, col) (col < 8 * tiles),
-// for the first `tiles` <= NT tiles. Accumulator element r of a lane (g = lane / 4, c = lane % 4)
-// is row g + 8 * (r / 2), column 2c + r % 2 of its tile (gdn_acc_row / gdn_acc_col).
+// for the first `tiles` <= NT tiles, in 3xTF32: hi*hi into acc, the two cross terms into
+// accumulators of their own (added at the end, small ones first), so that consecutive mma
+// instructions do not wait for each other's results. Accumulator element r of a lane
+// (g = lane / 4, c = lane % 4) is row g + 8 * (r / 2), column 2c + r % 2 of its tile
+// (gdn_acc_row / gdn_acc_col).
 template <int NT, typename LoadA, typename LoadB>
 __device__ __forceinline__ void warp_product_3xtf32(float (&acc)[NT][4], int ksteps, LoadA a, LoadB b,
                                                     int tiles = NT) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    float lo_hi[NT][4] = {}, hi_lo[NT][4] = {};
     for (int s = 0; s < ksteps; ++s) {
         const int k = 8 * s + c;
         const float af[4] = {a(g, k), a(g + 8, k), a(g, k + 4), a(g + 8, k + 4)};
@@ -497,10 +491,17 @@ __device__ __forceinline__ void warp_product_3xtf32(float (&acc)[NT][4], int kst
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             if (n >= tiles) continue;
-            const float bf[2] = {b(k, 8 * n + g), b(k + 4, 8 * n + g)};
-            mma_3xtf32(acc[n], ah, al, bf);
+            const Tf32Pair b0 = tf32_split(b(k, 8 * n + g)), b1 = tf32_split(b(k + 4, 8 * n + g));
+            const uint32_t bh[2] = {b0.hi, b1.hi}, bl[2] = {b0.lo, b1.lo};
+            mma_tf32_1688(lo_hi[n], al, bh);
+            mma_tf32_1688(hi_lo[n], ah, bl);
+            mma_tf32_1688(acc[n], ah, bh);
         }
     }
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[n][r] += lo_hi[n][r] + hi_lo[n][r];
 }
 
 __device__ __forceinline__ int gdn_acc_row(int r) { return ((threadIdx.x & 31) >> 2) + 8 * (r >> 1); }
