@@ -457,8 +457,9 @@ pub struct CudaBackend {
     max_context: usize,
     use_graphs: bool,
     num_sms: u32,
-    /// Chunk activations of the prefill path, allocated on first use.
-    prefill: Mutex<Option<prefill::PrefillScratch>>,
+    /// Chunk activations of the prefill path, allocated with the backend so that the first
+    /// prompt does not pay for them.
+    prefill: Mutex<prefill::PrefillScratch>,
     /// Tokens per prefill chunk (`CudaOptions::prefill_chunk`).
     prefill_chunk: usize,
     /// Per-part prefill timing, when `time_prefill_parts` runs.
@@ -666,6 +667,8 @@ impl CudaBackend {
         let num_sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
+        let prefill_chunk = opts.prefill_chunk.min(opts.max_context);
+        let prefill = prefill::PrefillScratch::new(&stream, c, prefill_chunk)?;
         stream.synchronize()?;
         Ok(Self {
             config,
@@ -679,8 +682,8 @@ impl CudaBackend {
             max_context: opts.max_context,
             use_graphs: opts.use_graphs,
             num_sms,
-            prefill: Mutex::new(None),
-            prefill_chunk: opts.prefill_chunk.min(opts.max_context),
+            prefill: Mutex::new(prefill),
+            prefill_chunk,
             timer: Mutex::new(timing::PartTimer::default()),
         })
     }

@@ -188,9 +188,8 @@ impl MoeScratch {
 }
 
 impl PrefillScratch {
-    pub(super) fn new(stream: &Arc<CudaStream>, b: &CudaBackend) -> Result<Self> {
-        let c = &b.config;
-        let n = b.prefill_chunk;
+    /// Scratch for chunks of up to `n` tokens of the model `c`.
+    pub(super) fn new(stream: &Arc<CudaStream>, c: &ModelConfig, n: usize) -> Result<Self> {
         let widest = c
             .hidden_size
             .max(c.linear_value_dim())
@@ -251,10 +250,7 @@ impl CudaBackend {
             .prefill
             .lock()
             .map_err(|_| anyhow::anyhow!("prefill scratch lock poisoned"))?;
-        if guard.is_none() {
-            *guard = Some(PrefillScratch::new(&self.stream, self)?);
-        }
-        let ps = guard.as_mut().context("prefill scratch allocated above")?;
+        let ps = &mut *guard;
         let slots = self
             .slots
             .lock()
