@@ -626,8 +626,9 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_chunk_prepare(DeltaNe
 // both from the state in shared memory; warp w then updates state rows 16 (w / 2) .. + 15, which
 // it keeps in registers, and copies them to shared memory for the next sub-chunk. The products
 // are chains of dependent tensor-core and conversion instructions: 16 warps rather than 8 give
-// each scheduler twice the chains to interleave. The inputs are copied with cp.async a phase ahead: W, Q, U and G of the next
-// sub-chunk while this one's state update runs, K of this sub-chunk while its V' and o run.
+// each scheduler twice the chains to interleave. The inputs are copied with cp.async a phase
+// ahead: W, Q, U and G of the next sub-chunk while this one's state update runs, K of this
+// sub-chunk while its V' and o run.
 // Grid: value_heads * value_dim / cols blocks of 512 threads (16 warps).
 // Dynamic shared memory: (2 * 64 * (key_dim + 4) + 64 * (key_dim + 8) + (128 + key_dim) *
 // GDN_STATE_STRIDE) floats and 64 doubles (141 KiB at key_dim 128).
