@@ -7,12 +7,13 @@ use super::weights::{DeviceWeight, ptr};
 use super::{CudaBackend, arg, cfg};
 use crate::model::{Matrix, Storage};
 
-/// Weight rows one block covers, tokens per block of a dense and of a grouped product, threads
-/// and pipeline stages (GEMM_ROWS, GEMM_DENSE_TOKENS, GEMM_GROUP_TOKENS, GEMM_THREADS,
-/// GEMM_STAGES in gemm.cu).
+/// Weight rows one block covers, tokens per block of a dense and of a grouped product (narrow
+/// and wide tiles), threads and pipeline stages (GEMM_ROWS, GEMM_DENSE_TOKENS, GEMM_GROUP_TOKENS,
+/// GEMM_GROUP_TOKENS_WIDE, GEMM_THREADS, GEMM_STAGES in gemm.cu).
 pub(super) const GEMM_ROWS: usize = 128;
 const GEMM_DENSE_TOKENS: usize = 128;
 pub(super) const GEMM_GROUP_TOKENS: usize = 64;
+pub(super) const GEMM_GROUP_TOKENS_WIDE: usize = 128;
 pub(super) const GEMM_THREADS: u32 = 128;
 const GEMM_STAGES: usize = 4;
 /// Inputs per pipeline stage (GEMM_K).
@@ -261,16 +262,20 @@ mod tests {
         let sm = 228 * 1024;
         let dense = gemm_smem_bytes(4, GEMM_DENSE_TOKENS) as usize;
         let grouped = gemm_smem_bytes(4, GEMM_GROUP_TOKENS) as usize;
+        let wide = gemm_smem_bytes(4, GEMM_GROUP_TOKENS_WIDE) as usize;
         // Static shared memory: the tile's token tables (three words per token), once per width
         // the kernel is compiled for.
         let tables = |tokens: usize| 2 * 3 * 4 * tokens;
-        // 4-bit products run two dense or three grouped blocks per SM (their register budgets).
+        // 4-bit products run two dense, three grouped or two wide grouped blocks per SM (their
+        // register budgets).
         let dense = dense + tables(GEMM_DENSE_TOKENS);
         let grouped = grouped + tables(GEMM_GROUP_TOKENS);
+        let wide = wide + tables(GEMM_GROUP_TOKENS_WIDE);
         assert!(2 * (dense + 1024) <= sm, "{dense}");
         assert!(3 * (grouped + 1024) <= sm, "{grouped}");
+        assert!(2 * (wide + 1024) <= sm, "{wide}");
         // 8-bit stages are larger but still launchable.
-        for tokens in [GEMM_DENSE_TOKENS, GEMM_GROUP_TOKENS] {
+        for tokens in [GEMM_DENSE_TOKENS, GEMM_GROUP_TOKENS, GEMM_GROUP_TOKENS_WIDE] {
             assert!(gemm_smem_bytes(8, tokens) as usize <= MAX_DYNAMIC_SHARED_BYTES);
             assert!(gemm_smem_bytes(8, tokens) > gemm_smem_bytes(4, tokens));
         }

@@ -18,6 +18,7 @@
 #define GEMM_ROWS 128    // weight rows per block: two 64-row halves
 #define GEMM_DENSE_TOKENS 128 // tokens per block of a dense product (the N of the products)
 #define GEMM_GROUP_TOKENS 64  // tokens per block of a grouped (MoE) product: an expert's tile
+#define GEMM_GROUP_TOKENS_WIDE 128 // the same, for chunks that give the experts more tokens
 #define GEMM_THREADS 128 // one warpgroup
 #define GEMM_K 64        // inputs per pipeline stage
 #define GEMM_STAGES 4    // stages in dynamic shared memory: three loads in flight while one is multiplied
@@ -439,17 +440,16 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2) gemm_q(Weight w, W
 
 // The MoE experts' products over their tokens: w stacks the experts' matrices
 // [experts * rows_per_expert, cols]; tile blockIdx.x of `tiles` (expert, start, count in
-// `order`, at most GEMM_GROUP_TOKENS; tiles beyond tile_count[0] exit) multiplies that expert's
-// rows by its assignments' x rows (assignment / in_div) into y rows per assignment
-// ([assignments, rows_per_expert]). Blocks with blockIdx.z == 1 do the same with w2 into y2 (the
-// up projection beside the gate one, from the same inputs; same shape and format). Grid: (most
-// tiles, ceil(rows_per_expert / 128), 1 or 2), GEMM_THREADS threads, gemm_smem_bytes(bits,
-// GEMM_GROUP_TOKENS) of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped(Weight w, Weight w2, int rows_per_expert,
-                                                                         const int* tiles, const int* tile_count,
-                                                                         const int* order, int in_div,
-                                                                         const __half* x16, const float* xscale,
-                                                                         float* y, float* y2) {
+// `order`, at most TOKENS; tiles beyond tile_count[0] exit) multiplies that expert's rows by its
+// assignments' x rows (assignment / in_div) into y rows per assignment ([assignments,
+// rows_per_expert]). Blocks with blockIdx.z == 1 do the same with w2 into y2 (the up projection
+// beside the gate one, from the same inputs; same shape and format). Grid: (most tiles,
+// ceil(rows_per_expert / 128), 1 or 2), GEMM_THREADS threads, gemm_smem_bytes(bits, TOKENS) of
+// dynamic shared memory.
+template <int TOKENS>
+__device__ __forceinline__ void gemm_grouped(const Weight& w, const Weight& w2, int rows_per_expert, const int* tiles,
+                                             const int* tile_count, const int* order, int in_div, const __half* x16,
+                                             const float* xscale, float* y, float* y2) {
     wait_for_previous_kernel();
     if ((int)blockIdx.x >= tile_count[0]) return;
     const int* t = tiles + 3 * blockIdx.x;
@@ -461,8 +461,28 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped(Weight
     m.data = second ? w2.data : w.data;
     m.scales = second ? w2.scales : w.scales;
     m.biases = second ? w2.biases : w.biases;
-    gemm_tile_bits<GEMM_GROUP_TOKENS>(m, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, 0, 1, tile, x16,
-                                     xscale, second ? y2 : y, 0);
+    gemm_tile_bits<TOKENS>(m, t[0] * rows_per_expert, rows_per_expert, blockIdx.y, 0, 1, tile, x16, xscale,
+                           second ? y2 : y, 0);
+}
+
+// Tiles of GEMM_GROUP_TOKENS: three blocks per SM.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped(Weight w, Weight w2, int rows_per_expert,
+                                                                         const int* tiles, const int* tile_count,
+                                                                         const int* order, int in_div,
+                                                                         const __half* x16, const float* xscale,
+                                                                         float* y, float* y2) {
+    gemm_grouped<GEMM_GROUP_TOKENS>(w, w2, rows_per_expert, tiles, tile_count, order, in_div, x16, xscale, y, y2);
+}
+
+// Tiles of GEMM_GROUP_TOKENS_WIDE (wgmma n128, as the dense products): each dequantised weight
+// fragment serves twice the tokens, two blocks per SM.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS) gemm_q_grouped_wide(Weight w, Weight w2,
+                                                                              int rows_per_expert, const int* tiles,
+                                                                              const int* tile_count, const int* order,
+                                                                              int in_div, const __half* x16,
+                                                                              const float* xscale, float* y, float* y2) {
+    gemm_grouped<GEMM_GROUP_TOKENS_WIDE>(w, w2, rows_per_expert, tiles, tile_count, order, in_div, x16, xscale, y,
+                                         y2);
 }
 
 // act16[a] = (silu(gate[a]) * up[a] * weight) in fp16, scaled and permuted as rows_to_half does,

@@ -334,15 +334,13 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const floa
     }
 }
 
-#define GROUP_TILE 64
-
 // Prefill: sorts the chunk's routed assignments (a = token * top_k + slot) by expert into
-// `order` and cuts each expert's run into tiles of at most GROUP_TILE for gemm_q_grouped:
+// `order` and cuts each expert's run into tiles of at most `tile` for gemm_q_grouped(_wide):
 // tiles[3 i ..] = (expert, start in order, count), tile_count[0] = tiles made. One block of 1024
 // threads (at least MAX_EXPERTS): thread e finds expert e's start and first tile by a scan of
 // the counts over the block.
-extern "C" __global__ void __launch_bounds__(1024) moe_group(MoeDims d, const int* ids, int tokens, int* order,
-                                                            int* tiles, int* tile_count) {
+extern "C" __global__ void __launch_bounds__(1024) moe_group(MoeDims d, const int* ids, int tokens, int tile,
+                                                            int* order, int* tiles, int* tile_count) {
     __shared__ int count[MAX_EXPERTS];
     __shared__ int cursor[MAX_EXPERTS];
     __shared__ unsigned long long warp_totals[32];
@@ -357,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(MoeDims d, const in
     // Inclusive scan of (assignments << 32 | tiles) over the experts: both halves add up
     // separately (a chunk has fewer than 2^32 tiles).
     const int mine = e < d.experts ? count[e] : 0;
-    const int my_tiles = (mine + GROUP_TILE - 1) / GROUP_TILE;
+    const int my_tiles = (mine + tile - 1) / tile;
     const unsigned long long own = ((unsigned long long)mine << 32) | (unsigned)my_tiles;
     unsigned long long scan = own;
 #pragma unroll
@@ -383,8 +381,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(MoeDims d, const in
         cursor[e] = start;
         for (int i = 0; i < my_tiles; ++i) {
             tiles[3 * (first_tile + i)] = e;
-            tiles[3 * (first_tile + i) + 1] = start + i * GROUP_TILE;
-            tiles[3 * (first_tile + i) + 2] = min(GROUP_TILE, mine - i * GROUP_TILE);
+            tiles[3 * (first_tile + i) + 1] = start + i * tile;
+            tiles[3 * (first_tile + i) + 2] = min(tile, mine - i * tile);
         }
         if (e == d.experts - 1) tile_count[0] = first_tile + my_tiles;
     }

@@ -17,7 +17,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use deltanet::GDN_CHUNK;
 use moe::{ROUTER_SPLITS, max_group_tiles};
 
-use super::gemm::on_tensor_cores;
+use super::gemm::{GEMM_GROUP_TOKENS, on_tensor_cores};
 use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
@@ -161,7 +161,7 @@ impl MoeScratch {
         let mut decode = *r;
         let act = decode.take::<f32>(n * slots * inter);
         let order = r.take::<i32>(n * top_k);
-        let tiles = r.take::<i32>(3 * max_group_tiles(c, n));
+        let tiles = r.take::<i32>(3 * max_group_tiles(c, n, GEMM_GROUP_TOKENS));
         let tile_count = r.take::<i32>(1);
         let act16 = r.take::<u16>(n * top_k * inter);
         let actscale = r.take::<f32>(n * top_k);
