@@ -80,8 +80,8 @@ __device__ void gate_up_rows(const Weight& g, const Weight& u, int base, int row
     dot_rows<BITS, R, 2>(refs, sx, g.group_shift, lane, pass, acc);
 #pragma unroll
     for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
-        const float gv = warp_sum(acc.lane_total(i, sx.s));
-        const float uv = warp_sum(acc.lane_total(GATE_UP_ROWS_PER_WARP + i, sx.s));
+        const float gv = warp_sum(acc.total[i]);
+        const float uv = warp_sum(acc.total[GATE_UP_ROWS_PER_WARP + i]);
         if (lane == 0 && first + i < rows) out[first + i] = silu(gv) * uv;
     }
 }
@@ -226,7 +226,7 @@ __device__ void down_routed(const MoeDims& d, const Weight& w, const int* ids, c
         use_pass<BITS, DOWN_ROWS_PER_WARP, DOWN_PASS>(rows, sx, base, lane, pass, acc);
     }
 #pragma unroll
-    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) out[i] += warp_sum(acc.lane_total(i, sx.s));
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) out[i] += warp_sum(acc.total[i]);
 }
 
 template <int BITS>
@@ -249,7 +249,7 @@ __device__ void down_shared(const Weight& w, const float* xs, int r0, Pass<DOWN_
     acc.clear();
     dot_rows<BITS, DOWN_ROWS_PER_WARP, 1>(rows, sx, w.group_shift, threadIdx.x & 31, pass, acc);
 #pragma unroll
-    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) out[i] += warp_sum(acc.lane_total(i, sx.s));
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) out[i] += warp_sum(acc.total[i]);
 }
 
 // residual[r] += sum over routed slots of weight[slot] * (down_e · act[slot])[r]

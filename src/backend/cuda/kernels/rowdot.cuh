@@ -7,31 +7,30 @@
 //
 // Decode reads every weight once per token, so the arithmetic per weight must stay well under
 // the rate HBM delivers them: at 3.5 TB/s of 4-bit weights an SM receives ~27 values per cycle
-// and issues 4 warp instructions (128 lanes). 4-bit rows are therefore dotted in half2:
+// and issues 4 warp instructions (128 lanes). A dependent mat-vec whose dot products were free
+// (loads only) ran twice as fast on the H200 as one dotting in half2 at 1.6 instructions per
+// value, so 4-bit rows are dotted in integers: x is staged as int16 with one f32 scale per
+// 32-value chunk (the 16 bytes of a row one lane loads), and a 32-bit word of weights (8
+// nibbles) costs two masks, one shift and four dp2a (two 16-bit inputs times two 8-bit weights
+// each): 0.9 instructions per value, summed exactly in int32 (|sum| < 32 * 15 * 32767). The
+// chunk's result is scale_w * xscale * sum(q * xq) + bias_w * csum.
 //
-//   OR-ing two nibbles masked in place at bits 0-3 and 16-19 of a word into 0x64006400 gives the
-//   half2 (1024 + q0, 1024 + q1) exactly (fp16 holds integers to 2048); one subtraction leaves
-//   (q0, q1) and one HFMA2 multiplies them by two inputs. The nibbles at bits 4-7 / 20-23 come
-//   out as 16 * q and meet inputs staged divided by 16. A 32-bit word (8 values) costs one shift,
-//   4 LOP3, 4 HSUB2 and 4 HFMA2: 1.6 instructions per value instead of 4 in f32.
-//
-// fp16 has 5 exponent bits, so the 4-bit staging divides x by a power of two s chosen so that
-// |x / s| < 32: a half-lane then sums at most 8 products q * x / s (|.| < 3840), far from the fp16
-// limit, and each 32-value chunk's sum is taken to f32 before the group's scale and bias apply.
-// Rounding x to fp16 costs 2^-11 relative, 8x less than the bf16 activations of the reference's
-// own tolerance calibration.
+// Rounding x to 32767 levels of its chunk's largest magnitude costs at most 2^-16 of that
+// magnitude per value and the sums are exact, where the half2 dot this replaced rounded every
+// partial sum to fp16 (2^-11 relative of sums up to 3840). 8-bit inputs were faster still but
+// 4x the bf16 rounding spread of the test fixtures.
 //
 // Staged layouts (a chunk is the 16 bytes of a row one lane loads; it covers vpc = 128 / bits
 // inputs; `chunks` = cols / vpc):
 //   4-bit: 16-byte entry k * chunks + c (word k = 0..3 of chunk c, inputs i = 32c + 8k + j) holds
-//          half2 (x[i+0], x[i+4]) / s, (x[i+1], x[i+5]) / 16s, (x[i+2], x[i+6]) / s,
-//          (x[i+3], x[i+7]) / 16s; then csum[c] = sum of the chunk's x (f32, unscaled); then s.
+//          the int16 pairs (x[i], x[i+2]), (x[i+4], x[i+6]), (x[i+1], x[i+3]), (x[i+5], x[i+7]);
+//          then per chunk the float2 (xscale, csum).
 //   8-bit: float4 k * chunks + c (k = 0..3) holds x[16c + 4k .. 16c + 4k + 3]; then csum[c].
 //   bf16:  float4 k * chunks + c (k = 0..1) holds x[8c + 4k .. 8c + 4k + 3].
 // The 32 lanes of a warp work on 32 consecutive chunks and so read 32 consecutive 16-byte
 // entries: no bank conflicts.
 //
-// A quantised chunk contributes scale * sum(q * x) + bias * csum.
+// A quantised chunk contributes scale * sum(q * x) + bias * csum, csum the f32 sum of its x.
 
 #include <cuda_fp16.h>
 
@@ -55,9 +54,10 @@ __device__ __forceinline__ float lds32(uint32_t address) {
     return v;
 }
 
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
+__device__ __forceinline__ float2 lds64(uint32_t address) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(address));
+    return v;
 }
 
 __device__ __forceinline__ __half2 as_half2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
@@ -80,23 +80,18 @@ struct StageSource {
     const float* mult;  // null: 1 for every piece
 };
 
-// This thread's sum of squares and largest magnitude of the source (times norm_scale when
-// non-null), read as float4s (x 16-byte aligned, seg_cols a multiple of 4).
-__device__ __forceinline__ float2 source_stats(const StageSource& src, const float* norm_scale) {
-    float ss = 0.0f, mx = 0.0f;
+// This thread's sum of squares of the source, read as float4s (x 16-byte aligned, seg_cols a
+// multiple of 4).
+__device__ __forceinline__ float source_sumsq(const StageSource& src) {
+    float ss = 0.0f;
     const int per_seg = src.seg_cols / 4, total = per_seg * src.segments;
 #pragma unroll 4
     for (int i4 = threadIdx.x; i4 < total; i4 += blockDim.x) {
         const int p = i4 / per_seg, o = i4 - p * per_seg;
         const float4 v = reinterpret_cast<const float4*>(src.x + (size_t)p * src.seg_stride)[o];
-        const float m = src.mult != nullptr ? src.mult[p] : 1.0f;
-        const float4 n = norm_scale != nullptr ? reinterpret_cast<const float4*>(norm_scale)[o]
-                                               : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x * n.x), fabsf(v.y * n.y)), fmaxf(fabsf(v.z * n.z), fabsf(v.w * n.w))) *
-                           fabsf(m));
     }
-    return make_float2(ss, mx);
+    return ss;
 }
 
 // Sum of .x and max of .y over the block; every thread gets the result. `scratch`: 64 floats.
@@ -133,36 +128,37 @@ __device__ __forceinline__ void source_eight(const StageSource& src, const float
 template <int BITS>
 __device__ void stage(const StageSource& src, const float* norm_scale, float eps, float* xs, float* scratch) {
     const int cols = src.seg_cols * src.segments;
-    float inv = 1.0f, s = 1.0f;
-    if (norm_scale != nullptr || BITS == 4) {
-        const float2 st = block_sum_max(source_stats(src, norm_scale), scratch);
-        if (norm_scale != nullptr) inv = rsqrtf(st.x / cols + eps);
-        // s = 2^e with max|x| / s in [16, 32); 1 for an all-zero input.
-        const float mx = st.y * inv;
-        if (BITS == 4 && mx > 0.0f) s = exp2f(ceilf(log2f(mx)) - 5.0f);
-    }
+    float inv = 1.0f;
+    if (norm_scale != nullptr) inv = rsqrtf(block_sum(source_sumsq(src), scratch) / cols + eps);
     const int words = cols / 8;
     if (BITS == 4) {
         const int chunks = cols / 32;
-        const float r = 1.0f / s, r16 = r * 0.0625f;
-        float* csum = xs + cols / 2;
+        float2* chunk_stats = reinterpret_cast<float2*>(xs + cols / 2);
         // Warp-uniform trip count: the shuffles below need every lane.
         for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
             float e[8] = {};
             if (t < words) source_eight(src, norm_scale, inv, 8 * t, e);
             const int c = t >> 2, k = t & 3;
-            if (t < words) {
-                const uint4 h = make_uint4(pack_half2(e[0] * r, e[4] * r), pack_half2(e[1] * r16, e[5] * r16),
-                                           pack_half2(e[2] * r, e[6] * r), pack_half2(e[3] * r16, e[7] * r16));
-                reinterpret_cast<uint4*>(xs)[k * chunks + c] = h;
-            }
             // The four words of a chunk belong to four consecutive threads of one warp.
             float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            if (k == 0 && t < words) csum[c] = sum;
+            float mx = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fabsf(e[j]));
+#pragma unroll
+            for (int o = 1; o <= 2; o <<= 1) {
+                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            }
+            const float to_int = mx > 0.0f ? 32767.0f / mx : 0.0f;
+            uint32_t q[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) q[j] = static_cast<uint32_t>(__float2int_rn(e[j] * to_int)) & 0xffffu;
+            if (t < words) {
+                reinterpret_cast<uint4*>(xs)[k * chunks + c] =
+                    make_uint4(q[0] | q[2] << 16, q[4] | q[6] << 16, q[1] | q[3] << 16, q[5] | q[7] << 16);
+                if (k == 0) chunk_stats[c] = make_float2(mx * (1.0f / 32767.0f), sum);
+            }
         }
-        if (threadIdx.x == 0) csum[chunks] = s;
     } else {
         constexpr int VPC = 128 / BITS;
         const int chunks = cols / VPC;
@@ -191,9 +187,8 @@ __device__ void stage(const StageSource& src, const float* norm_scale, float eps
 // The staged input as the dot products read it.
 struct StagedX {
     uint32_t x;     // shared address of the entries
-    uint32_t csum;  // shared address of the chunk sums
+    uint32_t csum;  // shared address of the chunk sums (4-bit: of the (xscale, csum) pairs)
     int chunks;
-    float s;        // 4-bit: the power of two x was divided by
 };
 
 template <int BITS>
@@ -201,9 +196,7 @@ __device__ __forceinline__ StagedX staged_x(const float* xs, int cols) {
     StagedX v;
     v.x = shared_address(xs);
     v.chunks = cols / (128 / BITS);
-    const float* csum = BITS == 4 ? xs + cols / 2 : xs + cols;
-    v.csum = shared_address(csum);
-    v.s = BITS == 4 ? csum[v.chunks] : 1.0f;
+    v.csum = shared_address(BITS == 4 ? xs + cols / 2 : xs + cols);
     return v;
 }
 
@@ -270,16 +263,15 @@ __device__ __forceinline__ void load_pass(const RowRef (&rows)[R], int base, int
         }
 }
 
-// sum(q * x / s) over one 4-bit word's 8 values, x the word's staged entry.
-__device__ __forceinline__ __half2 word_dot4(uint32_t w, uint4 x, __half2 acc) {
-    const uint32_t magic = 0x64006400u, lo = 0x000F000Fu, hi = 0x00F000F0u;
-    const __half2 k1024 = __float2half2_rn(1024.0f);
-    const uint32_t w8 = w >> 8;
-    acc = __hfma2(__hsub2(as_half2(mask_or(w, lo, magic)), k1024), as_half2(x.x), acc);
-    acc = __hfma2(__hsub2(as_half2(mask_or(w, hi, magic)), k1024), as_half2(x.y), acc);
-    acc = __hfma2(__hsub2(as_half2(mask_or(w8, lo, magic)), k1024), as_half2(x.z), acc);
-    acc = __hfma2(__hsub2(as_half2(mask_or(w8, hi, magic)), k1024), as_half2(x.w), acc);
-    return acc;
+// sum(q * xq) over one 4-bit word's 8 values, x its staged entry (see stage), added to acc: the
+// even nibbles masked in place are four bytes, the odd ones after a shift by 4, and each dp2a
+// multiplies two of them by two 16-bit inputs.
+__device__ __forceinline__ int word_dot4(uint32_t w, uint4 x, int acc) {
+    const int even = static_cast<int>(w & 0x0F0F0F0Fu), odd = static_cast<int>((w >> 4) & 0x0F0F0F0Fu);
+    acc = __dp2a_lo(static_cast<int>(x.x), even, acc);
+    acc = __dp2a_hi(static_cast<int>(x.y), even, acc);
+    acc = __dp2a_lo(static_cast<int>(x.z), odd, acc);
+    return __dp2a_hi(static_cast<int>(x.w), odd, acc);
 }
 
 // The staged entries of chunk c: 4 / 4 / 2 16-byte entries for 4-bit / 8-bit / bf16 weights.
@@ -300,20 +292,18 @@ __device__ __forceinline__ float low_bits_f(uint32_t w) {
     return __uint_as_float(mask_or(w, ((1u << BITS) - 1u) << P, 0x3F800000u)) - 1.0f;
 }
 
-// Adds one chunk (its 16 bytes in u) dotted with its staged entries xv: a 4-bit chunk's
-// scale * sum(q x / s) to aq (the caller multiplies by s), every other contribution to ab.
+// Adds one chunk (its 16 bytes in u) dotted with its staged entries xv to acc; `stats` is the
+// chunk's (xscale, csum) for 4-bit weights, (csum, unused) for 8-bit.
 template <int BITS>
-__device__ __forceinline__ void chunk_dot(uint4 u, const uint4 (&xv)[4], float csum, bf16 scale_b, bf16 bias_b,
-                                          float& aq, float& ab) {
+__device__ __forceinline__ void chunk_dot(uint4 u, const uint4 (&xv)[4], float2 stats, bf16 scale_b, bf16 bias_b,
+                                          float& acc) {
     if (BITS == 4) {
-        __half2 h0 = __float2half2_rn(0.0f), h1 = h0;
-        h0 = word_dot4(u.x, xv[0], h0);
-        h1 = word_dot4(u.y, xv[1], h1);
-        h0 = word_dot4(u.z, xv[2], h0);
-        h1 = word_dot4(u.w, xv[3], h1);
-        const float2 f = __half22float2(__hadd2(h0, h1));
-        aq = fmaf(__bfloat162float(scale_b), f.x + f.y, aq);
-        ab = fmaf(__bfloat162float(bias_b), csum, ab);
+        int q = word_dot4(u.x, xv[0], 0);
+        q = word_dot4(u.y, xv[1], q);
+        q = word_dot4(u.z, xv[2], q);
+        q = word_dot4(u.w, xv[3], q);
+        acc = fmaf(__bfloat162float(scale_b) * stats.x, static_cast<float>(q), acc);
+        acc = fmaf(__bfloat162float(bias_b), stats.y, acc);
     } else if (BITS == 8) {
         // Bytes 0-1 in place (bits 0-15); bytes 2-3 after a shift by 16.
         const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -327,14 +317,14 @@ __device__ __forceinline__ void chunk_dot(uint4 u, const uint4 (&xv)[4], float c
             a0 += low_bits_f<8, 0>(hi) * x.z;
             a8 += low_bits_f<8, 8>(hi) * x.w;
         }
-        ab = fmaf(__bfloat162float(scale_b), a0 * 8388608.0f + a8 * 32768.0f, ab);
-        ab = fmaf(__bfloat162float(bias_b), csum, ab);
+        acc = fmaf(__bfloat162float(scale_b), a0 * 8388608.0f + a8 * 32768.0f, acc);
+        acc = fmaf(__bfloat162float(bias_b), stats.x, acc);
     } else {
         const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             const float4 x = as_float4(xv[k]);
-            ab += x.x * __uint_as_float(w[2 * k] << 16) + x.y * __uint_as_float(w[2 * k] & 0xffff0000u) +
+            acc += x.x * __uint_as_float(w[2 * k] << 16) + x.y * __uint_as_float(w[2 * k] & 0xffff0000u) +
                   x.z * __uint_as_float(w[2 * k + 1] << 16) + x.w * __uint_as_float(w[2 * k + 1] & 0xffff0000u);
         }
     }
@@ -343,13 +333,11 @@ __device__ __forceinline__ void chunk_dot(uint4 u, const uint4 (&xv)[4], float c
 // This lane's share of R rows' dot products with one staged x (a warp_sum completes each).
 template <int R>
 struct RowSums {
-    float q[R];  // 4-bit: scale * sum(q x / s)
-    float b[R];  // everything else
+    float total[R];
     __device__ __forceinline__ void clear() {
 #pragma unroll
-        for (int i = 0; i < R; ++i) q[i] = b[i] = 0.0f;
+        for (int i = 0; i < R; ++i) total[i] = 0.0f;
     }
-    __device__ __forceinline__ float lane_total(int i, float s) const { return fmaf(q[i], s, b[i]); }
 };
 
 // Adds the pass loaded in p (chunks from `base`) to the rows' sums; every row multiplies the same
@@ -363,11 +351,13 @@ __device__ __forceinline__ void use_pass(const RowRef (&rows)[R], const StagedX&
         const int c = base + j * 32 + lane;
         if (c >= sx.chunks) continue;
         load_x<BITS>(sx, c, xv);
-        const float cs = BITS == 16 ? 0.0f : lds32(sx.csum + 4u * c);
+        const float2 stats = BITS == 4   ? lds64(sx.csum + 8u * c)
+                             : BITS == 8 ? make_float2(lds32(sx.csum + 4u * c), 0.0f)
+                                         : make_float2(0.0f, 0.0f);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             if (rows[i].data == nullptr) continue;
-            chunk_dot<BITS>(p.u[i][j], xv, cs, p.scale[i][j], p.bias[i][j], acc.q[i], acc.b[i]);
+            chunk_dot<BITS>(p.u[i][j], xv, stats, p.scale[i][j], p.bias[i][j], acc.total[i]);
         }
     }
 }
@@ -418,7 +408,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
         if (next < w.rows) load_pass<BITS, R, U>(next_rows, 0, chunks, w.group_shift, lane, pass);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            const float v = warp_sum(acc.lane_total(i, sx.s));
+            const float v = warp_sum(acc.total[i]);
             const int row = row0 + i;
             if (lane == 0 && row < w.rows) y[row] = accumulate ? y[row] + v : v;
             rows[i] = next_rows[i];
