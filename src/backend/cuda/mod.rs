@@ -319,6 +319,7 @@ impl Fill {
 
 struct Kernels {
     matvec: CudaFunction,
+    matvec_two_rows: CudaFunction,
     embed: CudaFunction,
     deltanet_step: CudaFunction,
     deltanet_conv_ring: CudaFunction,
@@ -531,6 +532,7 @@ impl CudaBackend {
         };
         let k = Kernels {
             matvec: get("matvec")?,
+            matvec_two_rows: get("matvec_two_rows")?,
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
             deltanet_conv_ring: get("deltanet_conv_ring")?,
@@ -565,6 +567,7 @@ impl CudaBackend {
         // Kernels that stage inputs in dynamic shared memory may use more than the default 48 KB.
         for f in [
             &k.matvec,
+            &k.matvec_two_rows,
             &k.moe_router_shared,
             &k.moe_gate_up,
             &k.moe_down,
@@ -825,19 +828,19 @@ impl CudaBackend {
         Ok(total - free)
     }
 
-    /// Launch shape of `matvec` for `w`: a row per warp, at most one wave of persistent blocks.
-    fn matvec_cfg(&self, w: &DeviceWeight) -> LaunchConfig {
-        let warps = MATVEC_THREADS as usize / 32;
-        let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
-        LaunchConfig {
-            grid_dim: (w.rows.div_ceil(warps).min(resident) as u32, 1, 1),
-            block_dim: (MATVEC_THREADS, 1, 1),
-            shared_mem_bytes: staged_bytes(&[w.cols]),
+    /// The mat-vec kernel for `w` and its rows per warp: `matvec_two_rows` when a row is at most
+    /// 64 16-byte chunks, else `matvec`.
+    fn matvec_kernel(&self, w: &DeviceWeight) -> (&'static str, &CudaFunction, usize) {
+        let chunk_values = 128 / w.bits;
+        if w.cols.div_ceil(chunk_values) <= 64 {
+            ("matvec_two_rows", &self.k.matvec_two_rows, 2)
+        } else {
+            ("matvec", &self.k.matvec, 1)
         }
     }
 
     /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y
-    /// (a grid row each); added to y when `accumulate`.
+    /// (a grid row each); added to y when `accumulate`. At most one wave of persistent blocks.
     #[allow(clippy::too_many_arguments)]
     fn matvec(
         &self,
@@ -853,14 +856,21 @@ impl CudaBackend {
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
-        let mut cfg = self.matvec_cfg(w);
-        cfg.grid_dim.1 = tokens as u32;
+        let (name, kernel, rows_per_warp) = self.matvec_kernel(w);
+        let warps = MATVEC_THREADS as usize / 32;
+        let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
+        let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, tokens as u32, 1),
+            block_dim: (MATVEC_THREADS, 1, 1),
+            shared_mem_bytes: staged_bytes(&[w.cols]),
+        };
         // SAFETY: x and y hold `tokens` rows of w.cols and w.rows floats (scratch sized at
         // construction for these shapes).
         unsafe {
             self.launch(
-                "matvec",
-                &self.k.matvec,
+                name,
+                kernel,
                 cfg,
                 &mut [
                     arg(&desc),
@@ -1195,7 +1205,7 @@ fn staged_bytes(widths: &[usize]) -> u32 {
 /// The `extern "C"` kernels each module defines.
 fn kernel_names(module: &str) -> &'static [&'static str] {
     match module {
-        "matvec" => &["matvec", "embed"],
+        "matvec" => &["matvec", "matvec_two_rows", "embed"],
         "deltanet" => &[
             "deltanet_step",
             "deltanet_conv_ring",

@@ -4,12 +4,23 @@
 // y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds). `norm_scale` non-null:
 // x is RMS-normalised and scaled first. Several tokens at once: blockIdx.y is the token, whose x
 // and y rows follow each other (w.cols and w.rows floats apart).
-// Shared memory: 64 + staged_floats(cols) floats.
+// A warp dots one row at a time, four 16-byte chunks per lane per pass (rows of up to 128 chunks
+// in one pass). Shared memory: 64 + staged_floats(cols) floats.
 extern "C" __global__ void __launch_bounds__(256, 3) matvec(Weight w, const float* x, const float* norm_scale, float eps,
                                                          float* y, int accumulate) {
     extern __shared__ __align__(16) float smem[];
     const size_t t = blockIdx.y;
     matvec_bits<1, 4>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
+}
+
+// `matvec` for rows of at most 64 chunks (2,048 4-bit inputs: the hidden size): a warp dots two
+// rows at a time, two chunks of each per lane, so the lanes that would idle on a short row's
+// missing chunks fetch a second row instead (twice the bytes in flight per warp).
+extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows(Weight w, const float* x, const float* norm_scale,
+                                                                  float eps, float* y, int accumulate) {
+    extern __shared__ __align__(16) float smem[];
+    const size_t t = blockIdx.y;
+    matvec_bits<2, 2>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
 }
 
 // x[t] = row `token[t]` of the embedding table, dequantised to f32; blockIdx.y is t.
