@@ -3,6 +3,11 @@
 // routes: softmax over the router logits, top-k, renormalised, all on the GPU) with SwiGLU, then
 // every slot's down projection, weighted and added to the residual stream.
 //
+// Programmatic dependent launch lets a kernel start while the previous one runs, and the
+// previous one lets it start only once the kernel before that has finished: so moe_gate_up stages
+// its input (the residual stream, last written by the mixer's output projection, two launches
+// back) before waiting for the router logits.
+//
 // Slots 0..top_k-1 are routed experts, slot top_k is the shared expert, whose weight is
 // sigmoid(shared_expert_gate · x); moe_down folds each slot's weight into its staged
 // activations.
@@ -101,21 +106,19 @@ __device__ void gate_up_prefetch(const Weight& g, const Weight& u, int rows, int
                                                   threadIdx.x & 31, pass);
 }
 
+// The shared expert's gate/up rows of this block (moe_router_shared): weights requested, then
+// x = RMSNorm(residual) staged once the previous kernel has written the residual.
 template <int BITS>
-__device__ void gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, bool shared, int slot,
-                              const float* residual, const float* norm_scale, const int* ids, float* xs, float* scratch,
-                              float* act) {
-    const int rows = shared ? d.shared_intermediate : d.intermediate;
+__device__ void shared_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
+                                     const float* norm_scale, float* xs, float* scratch, float* act) {
     const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
     Pass<2 * GATE_UP_ROWS_PER_WARP, 2> pass;
-    if (shared) gate_up_prefetch<BITS>(g, u, rows, first, pass);
+    gate_up_prefetch<BITS>(g, u, d.shared_intermediate, first, pass);
     wait_for_previous_kernel();
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
     stage<BITS>(src, norm_scale, d.eps, xs, scratch);
-    // Routing (in the caller) finished before this block's staging barrier.
-    const int base = shared ? 0 : ids[slot] * d.intermediate;
-    float* out = act + (size_t)slot * max(d.intermediate, d.shared_intermediate);
-    gate_up_rows<BITS>(g, u, base, rows, first, xs, shared, pass, out);
+    gate_up_rows<BITS>(g, u, 0, d.shared_intermediate, first, xs, true, pass,
+                       act + (size_t)d.top_k * max(d.intermediate, d.shared_intermediate));
 }
 
 // Everything of the MoE block that does not wait for the routing, in one launch: blocks with
@@ -139,48 +142,60 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
     }
     float* xs = smem + 64;
     switch (shared_gate.bits) {
-        case 4: gate_up_block<4>(d, shared_gate, shared_up, true, d.top_k, residual, norm_scale, nullptr, xs, smem, act); break;
-        case 8: gate_up_block<8>(d, shared_gate, shared_up, true, d.top_k, residual, norm_scale, nullptr, xs, smem, act); break;
-        default: gate_up_block<16>(d, shared_gate, shared_up, true, d.top_k, residual, norm_scale, nullptr, xs, smem, act); break;
+        case 4: shared_gate_up_block<4>(d, shared_gate, shared_up, residual, norm_scale, xs, smem, act); break;
+        case 8: shared_gate_up_block<8>(d, shared_gate, shared_up, residual, norm_scale, xs, smem, act); break;
+        default: shared_gate_up_block<16>(d, shared_gate, shared_up, residual, norm_scale, xs, smem, act); break;
     }
+}
+
+// The routed gate/up rows of this block: x = RMSNorm(residual) staged first (the residual was
+// written two launches back), then the routing from the router logits of the previous kernel,
+// then the expert's rows.
+template <int BITS>
+__device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
+                                     const float* norm_scale, const float* router_logits, float* xs, float* scratch,
+                                     float* act, int* ids_out, float* weights_out) {
+    __shared__ float logits[MAX_EXPERTS + 1];
+    __shared__ int ids[MAX_TOP_K + 1];
+    __shared__ float weights[MAX_TOP_K + 1];
+    const StageSource src = {residual, 0, d.hidden, 1, nullptr};
+    stage<BITS>(src, norm_scale, d.eps, xs, scratch);
+    wait_for_previous_kernel();
+    for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) logits[e] = router_logits[e];
+    __syncthreads();
+    if (threadIdx.x >= blockDim.x - 32) route(d, logits, ids, weights);
+    __syncthreads();
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x <= d.top_k) {
+        ids_out[threadIdx.x] = ids[threadIdx.x];
+        weights_out[threadIdx.x] = weights[threadIdx.x];
+    }
+    const int slot = blockIdx.y;
+    const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
+    Pass<2 * GATE_UP_ROWS_PER_WARP, 2> pass;
+    gate_up_rows<BITS>(g, u, ids[slot] * d.intermediate, d.intermediate, first, xs, false, pass,
+                       act + (size_t)slot * max(d.intermediate, d.shared_intermediate));
 }
 
 // act[slot] = silu(gate_e · x) * (up_e · x) for each routed slot's expert, x = RMSNorm(residual).
 // gate/up: routed experts stacked [experts * intermediate, hidden].
-// Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k, tokens). Every block routes (from
-// the router logits, by its last warp, before staging ends); block (0, 0) also writes the
-// routing to ids_out/weights_out. Shared memory: 64 + staged_floats(hidden) floats.
+// Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k, tokens). Every block routes;
+// block (0, 0) also writes the routing to ids_out/weights_out. Shared memory: 64 +
+// staged_floats(hidden) floats.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
                                                               const float* norm_scale, const float* router_logits,
                                                               float* act, int* ids_out, float* weights_out) {
     extern __shared__ __align__(16) float smem[];
-    __shared__ float logits[MAX_EXPERTS + 1];
-    __shared__ int ids[MAX_TOP_K + 1];
-    __shared__ float weights[MAX_TOP_K + 1];
     const size_t token = blockIdx.z;
     residual += token * d.hidden;
     router_logits += token * (d.experts + 1);
     act += token * act_width(d);
     ids_out += token * (d.top_k + 1);
     weights_out += token * (d.top_k + 1);
-    // The router logits come from the previous kernel.
-    wait_for_previous_kernel();
-    for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) logits[e] = router_logits[e];
-    __syncthreads();
-    if (threadIdx.x >= blockDim.x - 32) route(d, logits, ids, weights);
-    if (blockIdx.x == 0 && blockIdx.y == 0) {
-        __syncthreads();
-        if (threadIdx.x <= d.top_k) {
-            ids_out[threadIdx.x] = ids[threadIdx.x];
-            weights_out[threadIdx.x] = weights[threadIdx.x];
-        }
-    }
     float* xs = smem + 64;
-    const int slot = blockIdx.y;
     switch (gate.bits) {
-        case 4: gate_up_block<4>(d, gate, up, false, slot, residual, norm_scale, ids, xs, smem, act); break;
-        case 8: gate_up_block<8>(d, gate, up, false, slot, residual, norm_scale, ids, xs, smem, act); break;
-        default: gate_up_block<16>(d, gate, up, false, slot, residual, norm_scale, ids, xs, smem, act); break;
+        case 4: routed_gate_up_block<4>(d, gate, up, residual, norm_scale, router_logits, xs, smem, act, ids_out, weights_out); break;
+        case 8: routed_gate_up_block<8>(d, gate, up, residual, norm_scale, router_logits, xs, smem, act, ids_out, weights_out); break;
+        default: routed_gate_up_block<16>(d, gate, up, residual, norm_scale, router_logits, xs, smem, act, ids_out, weights_out); break;
     }
 }
 
