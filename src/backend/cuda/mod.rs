@@ -101,7 +101,7 @@ impl DeltaNetShape {
         (fits && threads.is_multiple_of(32)).then_some(Self {
             splits,
             threads,
-            smem: (2 * kd + cols + threads + 32) * 4,
+            smem: (2 * kd + cols + threads + 64) * 4,
         })
     }
 }
@@ -1270,7 +1270,7 @@ mod tests {
         let shape = DeltaNetShape::of(&with_linear_dims(128, 128)).expect("supported");
         // 4 blocks of 32 columns; 256 threads own 16 rows each of one column.
         assert_eq!((shape.splits, shape.threads), (4, 256));
-        assert_eq!(shape.smem, (2 * 128 + 32 + 256 + 32) * 4);
+        assert_eq!(shape.smem, (2 * 128 + 32 + 256 + 64) * 4);
     }
 
     #[test]

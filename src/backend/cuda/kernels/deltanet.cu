@@ -44,13 +44,13 @@ __device__ __forceinline__ int deltanet_proj_width(const DeltaNetDims& d, int co
 // still need the history a ring slot holds).
 // Launch: value_heads * splits blocks in clusters of `splits`; cols = value_dim / splits columns
 // per block, cols * groups threads, each owning key_dim / groups state rows of one column.
-// Shared memory: (2 * key_dim + cols + threads + 32) floats.
+// Shared memory: (2 * key_dim + cols + threads + 64) floats.
 extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring,
                                                               const float* conv_w, const float* a_log,
                                                               const float* dt_bias, const float* norm_w, float* state,
                                                               const int* position, int tokens, float* out) {
     extern __shared__ float smem[];
-    __shared__ float partial_sq;
+    __shared__ float partial_sq[8];  // per warp of group 0 (cols <= 256)
     const int h = blockIdx.x / d.splits, part = blockIdx.x % d.splits;
     const int ratio = d.value_heads / d.key_heads;
     const int kh = h / ratio;
@@ -78,7 +78,8 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
     float* k = q + d.key_dim;        // [key_dim]
     float* v = k + d.key_dim;        // [cols]
     float* red = v + cols;           // [groups, cols]
-    float* scratch = red + blockDim.x;  // [32]
+    float* scratch = red + blockDim.x;  // [64]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 
     // Causal conv + SiLU over the channels this block reads: its key head's q and k, its v
     // columns. At most 2 * key_dim + cols <= 2 * blockDim channels: two per thread, each with
@@ -113,6 +114,8 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
         const float b = zba[d.value_heads * d.value_dim + h];
         const float a = zba[d.value_heads * d.value_dim + d.value_heads + h];
         const float z = zba[h * d.value_dim + dv];
+        // This thread's share of the squares of q and k (for their L2 norms).
+        float qs = 0.0f, ks = 0.0f;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int i = threadIdx.x + r * blockDim.x;
@@ -126,25 +129,35 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
             for (int j = MAX_CONV_KERNEL - 2; j > 0; --j) hist[r][j] = hist[r][j - 1];
             hist[r][0] = cur;
             const float x = silu(acc);
-            if (i < nq) q[i] = x;
-            else if (i < 2 * nq) k[i - nq] = x;
-            else v[i - 2 * nq] = x;
+            if (i < nq) {
+                q[i] = x;
+                qs += x * x;
+            } else if (i < 2 * nq) {
+                k[i - nq] = x;
+                ks += x * x;
+            } else {
+                v[i - 2 * nq] = x;
+            }
             // q/k channels are read by every block of `ratio` value heads: the first one records them.
             const bool owner = i >= 2 * nq || (h % ratio == 0 && part == 0);
             if (tokens == 1 && owner) conv_ring[(pos0 % d.kernel) * conv_dim + ch] = cur;
         }
+        qs = warp_sum(qs);
+        ks = warp_sum(ks);
+        if (lane == 0) {
+            scratch[warp] = qs;
+            scratch[32 + warp] = ks;
+        }
         __syncthreads();
-
-        // L2-normalise q and k; q also takes the 1/sqrt(key_dim) scale.
-        float qs = 0.0f, ks = 0.0f;
-        for (int i = threadIdx.x; i < nq; i += blockDim.x) { qs += q[i] * q[i]; ks += k[i] * k[i]; }
-        qs = block_sum(qs, scratch);
-        ks = block_sum(ks, scratch);
+        // The L2 norms of q and k (q also takes the 1/sqrt(key_dim) scale) are applied to the
+        // products below, which are linear in each, rather than to q and k themselves.
+        qs = ks = 0.0f;
+        for (int w = 0; w < warps; ++w) {
+            qs += scratch[w];
+            ks += scratch[32 + w];
+        }
         const float qinv = rsqrtf(qs + 1e-6f) * rsqrtf((float)d.key_dim);
         const float kinv = rsqrtf(ks + 1e-6f);
-        __syncthreads();
-        for (int i = threadIdx.x; i < nq; i += blockDim.x) { q[i] *= qinv; k[i] *= kinv; }
-        __syncthreads();
 
         const float beta = sigmoid(b);
         const float decay = __expf(-head_decay * softplus(a + head_dt_bias));
@@ -162,13 +175,14 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
         __syncthreads();
         kv = 0.0f;
         for (int g = 0; g < groups; ++g) kv += red[g * cols + c];
-        const float delta = beta * (v[c] - kv);
+        const float delta = beta * (v[c] - kv * kinv);
+        const float k_delta = kinv * delta;
         float o = 0.0f;
 #pragma unroll
         for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i) {
             if (i < rows) {
                 const int dk = grp + i * groups;
-                s[i] += k[dk] * delta;
+                s[i] += k[dk] * k_delta;
                 o += s[i] * q[dk];
             }
         }
@@ -177,14 +191,18 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
         __syncthreads();
         o = 0.0f;
         for (int g = 0; g < groups; ++g) o += red[g * cols + c];
+        o *= qinv;
 
         // Gated RMSNorm over the head's value_dim columns: norm(o) * w * silu(z); the cluster's
-        // blocks each hold `cols` of them.
-        const float sq = block_sum(grp == 0 ? o * o : 0.0f, scratch);
-        if (threadIdx.x == 0) partial_sq = sq;
+        // blocks each hold `cols` of them, group 0 (the first `cols` threads) one each.
+        if (warp < (cols + 31) / 32) {
+            const float sq = warp_sum(grp == 0 ? o * o : 0.0f);
+            if (lane == 0) partial_sq[warp] = sq;
+        }
         cluster_barrier();
         float total = 0.0f;
-        for (int r = 0; r < d.splits; ++r) total += cluster_load(&partial_sq, r);
+        for (int r = 0; r < d.splits; ++r)
+            for (int w = 0; w < (cols + 31) / 32; ++w) total += cluster_load(&partial_sq[w], r);
         // No block may go on (overwriting its partial, or leaving) while another still reads it.
         cluster_barrier();
         if (grp == 0) {

@@ -65,10 +65,11 @@ __device__ __forceinline__ int act_width(const MoeDims& d) {
 #define MAX_EXPERTS 1024
 
 // Rows first..first+GATE_UP_ROWS_PER_WARP-1 (of `rows`, from `base` in the stacked weights) of
-// silu(g x) * (u x), x staged in xs; `pass` may already hold the first pass (prefetched).
+// silu(g x) * (u x), x staged in xs with products to be multiplied by x_scale (see stage);
+// `pass` may already hold the first pass (prefetched).
 template <int BITS>
 __device__ void gate_up_rows(const Weight& g, const Weight& u, int base, int rows, int first, const float* xs,
-                             bool prefetched, Pass<2 * GATE_UP_ROWS_PER_WARP, 2>& pass, float* out) {
+                             float x_scale, bool prefetched, Pass<2 * GATE_UP_ROWS_PER_WARP, 2>& pass, float* out) {
     constexpr int R = 2 * GATE_UP_ROWS_PER_WARP;
     const int lane = threadIdx.x & 31;
     RowRef refs[R];
@@ -85,8 +86,8 @@ __device__ void gate_up_rows(const Weight& g, const Weight& u, int base, int row
     dot_rows<BITS, R, 2>(refs, sx, g.group_shift, lane, pass, acc);
 #pragma unroll
     for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
-        const float gv = warp_sum(acc.total[i]);
-        const float uv = warp_sum(acc.total[GATE_UP_ROWS_PER_WARP + i]);
+        const float gv = warp_sum(acc.total[i]) * x_scale;
+        const float uv = warp_sum(acc.total[GATE_UP_ROWS_PER_WARP + i]) * x_scale;
         if (lane == 0 && first + i < rows) out[first + i] = silu(gv) * uv;
     }
 }
@@ -116,8 +117,8 @@ __device__ void shared_gate_up_block(const MoeDims& d, const Weight& g, const We
     gate_up_prefetch<BITS>(g, u, d.shared_intermediate, first, pass);
     wait_for_previous_kernel();
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
-    stage<BITS>(src, norm_scale, d.eps, xs, scratch);
-    gate_up_rows<BITS>(g, u, 0, d.shared_intermediate, first, xs, true, pass,
+    const float x_scale = stage<BITS>(src, norm_scale, d.eps, xs, scratch);
+    gate_up_rows<BITS>(g, u, 0, d.shared_intermediate, first, xs, x_scale, true, pass,
                        act + (size_t)d.top_k * max(d.intermediate, d.shared_intermediate));
 }
 
@@ -159,7 +160,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     __shared__ int ids[MAX_TOP_K + 1];
     __shared__ float weights[MAX_TOP_K + 1];
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
-    stage<BITS>(src, norm_scale, d.eps, xs, scratch);
+    const float x_scale = stage<BITS>(src, norm_scale, d.eps, xs, scratch);
     wait_for_previous_kernel();
     for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) logits[e] = router_logits[e];
     __syncthreads();
@@ -172,7 +173,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     const int slot = blockIdx.y;
     const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
     Pass<2 * GATE_UP_ROWS_PER_WARP, 2> pass;
-    gate_up_rows<BITS>(g, u, ids[slot] * d.intermediate, d.intermediate, first, xs, false, pass,
+    gate_up_rows<BITS>(g, u, ids[slot] * d.intermediate, d.intermediate, first, xs, x_scale, false, pass,
                        act + (size_t)slot * max(d.intermediate, d.shared_intermediate));
 }
 

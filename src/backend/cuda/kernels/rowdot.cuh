@@ -80,20 +80,6 @@ struct StageSource {
     const float* mult;  // null: 1 for every piece
 };
 
-// This thread's sum of squares of the source, read as float4s (x 16-byte aligned, seg_cols a
-// multiple of 4).
-__device__ __forceinline__ float source_sumsq(const StageSource& src) {
-    float ss = 0.0f;
-    const int per_seg = src.seg_cols / 4, total = per_seg * src.segments;
-#pragma unroll 4
-    for (int i4 = threadIdx.x; i4 < total; i4 += blockDim.x) {
-        const int p = i4 / per_seg, o = i4 - p * per_seg;
-        const float4 v = reinterpret_cast<const float4*>(src.x + (size_t)p * src.seg_stride)[o];
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    return ss;
-}
-
 // Sum of .x and max of .y over the block; every thread gets the result. `scratch`: 64 floats.
 __device__ __forceinline__ float2 block_sum_max(float2 v, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
@@ -105,14 +91,15 @@ __device__ __forceinline__ float2 block_sum_max(float2 v, float* scratch) {
     return make_float2(warp_sum(lane < warps ? scratch[lane] : 0.0f), warp_max(lane < warps ? scratch[32 + lane] : 0.0f));
 }
 
-// Eight consecutive inputs of the source starting at flat index i (a multiple of 8), times inv,
-// norm_scale and the piece's multiplier.
-__device__ __forceinline__ void source_eight(const StageSource& src, const float* norm_scale, float inv, int i,
-                                             float (&e)[8]) {
+// Eight consecutive inputs of the source starting at flat index i (a multiple of 8), times
+// norm_scale and the piece's multiplier; their squares (before either) are added to ss.
+__device__ __forceinline__ void source_eight(const StageSource& src, const float* norm_scale, int i, float (&e)[8],
+                                             float& ss) {
     const int p = i / src.seg_cols, o = i - p * src.seg_cols;
     const float4* x4 = reinterpret_cast<const float4*>(src.x + (size_t)p * src.seg_stride + o);
-    const float m = inv * (src.mult != nullptr ? src.mult[p] : 1.0f);
+    const float m = src.mult != nullptr ? src.mult[p] : 1.0f;
     const float4 a = x4[0], b = x4[1];
+    ss += (a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w) + (b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w);
     float4 na = make_float4(1.0f, 1.0f, 1.0f, 1.0f), nb = na;
     if (norm_scale != nullptr) {
         na = reinterpret_cast<const float4*>(norm_scale + o)[0];
@@ -122,14 +109,16 @@ __device__ __forceinline__ void source_eight(const StageSource& src, const float
     e[4] = b.x * nb.x * m; e[5] = b.y * nb.y * m; e[6] = b.z * nb.z * m; e[7] = b.w * nb.w * m;
 }
 
-// Stages the source (RMS-normalised and scaled by norm_scale when non-null; norm over a single
-// piece only) for a weight of BITS bits into xs (16-byte aligned), then a barrier. scratch: 64
-// floats. Every thread takes whole 8-value words, so chunk sums need no second pass.
+// Stages the source for a weight of BITS bits into xs (16-byte aligned), then a barrier; scaled
+// by norm_scale when non-null, and returns the factor every product with the staged input must
+// then be multiplied by: the RMS norm's 1 / rms(x) (norm over a single piece only), else 1.
+// Applying the norm after the products (they are linear in x) lets one pass over x both stage
+// it and sum its squares. scratch: 64 floats. Every thread takes whole 8-value words, so chunk
+// sums need no second pass.
 template <int BITS>
-__device__ void stage(const StageSource& src, const float* norm_scale, float eps, float* xs, float* scratch) {
+__device__ float stage(const StageSource& src, const float* norm_scale, float eps, float* xs, float* scratch) {
     const int cols = src.seg_cols * src.segments;
-    float inv = 1.0f;
-    if (norm_scale != nullptr) inv = rsqrtf(block_sum(source_sumsq(src), scratch) / cols + eps);
+    float ss = 0.0f;
     const int words = cols / 8;
     if (BITS == 4) {
         const int chunks = cols / 32;
@@ -137,7 +126,7 @@ __device__ void stage(const StageSource& src, const float* norm_scale, float eps
         // Warp-uniform trip count: the shuffles below need every lane.
         for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
             float e[8] = {};
-            if (t < words) source_eight(src, norm_scale, inv, 8 * t, e);
+            if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
             const int c = t >> 2, k = t & 3;
             // The four words of a chunk belong to four consecutive threads of one warp.
             float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
@@ -165,7 +154,7 @@ __device__ void stage(const StageSource& src, const float* norm_scale, float eps
         float* csum = xs + cols;
         for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
             float e[8] = {};
-            if (t < words) source_eight(src, norm_scale, inv, 8 * t, e);
+            if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
             // Word t: inputs 8t.. of chunk c = 8t / VPC, float4s q and q + 1 of it.
             const int c = (8 * t) / VPC, q = ((8 * t) % VPC) / 4;
             if (t < words) {
@@ -181,7 +170,16 @@ __device__ void stage(const StageSource& src, const float* norm_scale, float eps
             }
         }
     }
+    const int warps = blockDim.x >> 5;
+    if (norm_scale != nullptr) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+    }
     __syncthreads();
+    if (norm_scale == nullptr) return 1.0f;
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    return rsqrtf(total / cols + eps);
 }
 
 // The staged input as the dot products read it.
@@ -395,7 +393,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
     load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
     wait_for_previous_kernel();
     const StageSource src = {x, 0, w.cols, 1, nullptr};
-    stage<BITS>(src, norm_scale, eps, xs, smem);
+    const float x_scale = stage<BITS>(src, norm_scale, eps, xs, smem);
     const StagedX sx = staged_x<BITS>(xs, w.cols);
     while (row0 < w.rows) {
         RowSums<R> acc;
@@ -408,7 +406,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
         if (next < w.rows) load_pass<BITS, R, U>(next_rows, 0, chunks, w.group_shift, lane, pass);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            const float v = warp_sum(acc.total[i]);
+            const float v = warp_sum(acc.total[i]) * x_scale;
             const int row = row0 + i;
             if (lane == 0 && row < w.rows) y[row] = accumulate ? y[row] + v : v;
             rows[i] = next_rows[i];
