@@ -79,7 +79,6 @@ __device__ __forceinline__ int attention_split_len(int len, int max_splits) {
 template <int MAX_GROUP>
 __device__ void attention_split_impl(const AttentionDims& d, const float* q, const bf16* k_cache, const bf16* v_cache,
                                      const int* position, float* part_max, float* part_sum, float* part_out) {
-    wait_for_previous_kernel();
     __shared__ __align__(16) float qs[MAX_GROUP * ATTN_MAX_HEAD_DIM];
     __shared__ float scores[MAX_GROUP][ATTN_CHUNK];
     __shared__ float run_max[MAX_GROUP], run_sum[MAX_GROUP], correction[MAX_GROUP];
@@ -89,7 +88,11 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     const int kvh = blockIdx.x, split = blockIdx.y, token = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int group = d.heads / d.kv_heads, hd = d.head_dim;
-    const int len = position[0] + token + 1;
+    // The position was set by an earlier step, the cache below it by earlier launches: the
+    // first chunk's keys and values there are requested before waiting for attention_prepare
+    // (which appends this launch's tokens and writes q).
+    const int cached = position[0];
+    const int len = cached + token + 1;
     q += (size_t)token * d.heads * hd;
     part_max += (size_t)token * d.heads * d.splits;
     part_sum += (size_t)token * d.heads * d.splits;
@@ -98,6 +101,36 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     const int begin = split * per;
     if (begin >= len) return;
     const int end = min(len, begin + per);
+    const int key_lanes = hd / 8;
+    const size_t row_stride = (size_t)d.kv_heads * hd;
+    const bf16* k_base = k_cache + (size_t)kvh * hd;
+    const bf16* v_base = v_cache + (size_t)kvh * hd;
+    constexpr int PER_WARP = ATTN_CHUNK / 8;
+    constexpr int V_PER_THREAD = ATTN_CHUNK * (ATTN_MAX_HEAD_DIM / 8) / 256;
+    uint4 keys[PER_WARP];
+    uint4 vals[V_PER_THREAD];
+    // Requests the keys and values of the chunk's positions c0 + p in [lo, hi) (p < n).
+    const auto load_chunk = [&](int c0, int n, int lo, int hi) {
+#pragma unroll
+        for (int t = 0; t < PER_WARP; ++t) {
+            const int p = warp + warps * t;
+            if (p < n && lane < key_lanes && c0 + p >= lo && c0 + p < hi)
+                keys[t] = __ldg(reinterpret_cast<const uint4*>(k_base + (size_t)(c0 + p) * row_stride) + lane);
+        }
+#pragma unroll
+        for (int j = 0; j < V_PER_THREAD; ++j) {
+            const int i = threadIdx.x + 256 * j, p = i / key_lanes, col = i % key_lanes;
+            if (p < n && c0 + p >= lo && c0 + p < hi)
+                vals[j] = __ldg(reinterpret_cast<const uint4*>(v_base + (size_t)(c0 + p) * row_stride) + col);
+        }
+    };
+#pragma unroll
+    for (int t = 0; t < PER_WARP; ++t) keys[t] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < V_PER_THREAD; ++j) vals[j] = make_uint4(0, 0, 0, 0);
+    load_chunk(begin, min(ATTN_CHUNK, end - begin), 0, cached);
+    wait_for_previous_kernel();
+    load_chunk(begin, min(ATTN_CHUNK, end - begin), cached, len);
     const float scale = rsqrtf((float)hd);
     for (int i = threadIdx.x; i < group * hd; i += blockDim.x) qs[i] = q[(size_t)kvh * group * hd + i] * scale;
     if (threadIdx.x < group) {
@@ -107,31 +140,12 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     float acc[MAX_GROUP];
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g) acc[g] = 0.0f;
-    const int key_lanes = hd / 8;
-    const size_t row_stride = (size_t)d.kv_heads * hd;
-    const bf16* k_base = k_cache + (size_t)kvh * hd;
-    const bf16* v_base = v_cache + (size_t)kvh * hd;
     __syncthreads();
 
     for (int c0 = begin; c0 < end; c0 += ATTN_CHUNK) {
         const int n = min(ATTN_CHUNK, end - c0);
-        constexpr int PER_WARP = ATTN_CHUNK / 8;
-        constexpr int V_PER_THREAD = ATTN_CHUNK * (ATTN_MAX_HEAD_DIM / 8) / 256;
-        uint4 keys[PER_WARP];
-        uint4 vals[V_PER_THREAD];
-#pragma unroll
-        for (int t = 0; t < PER_WARP; ++t) {
-            const int p = warp + warps * t;
-            keys[t] = p < n && lane < key_lanes
-                          ? __ldg(reinterpret_cast<const uint4*>(k_base + (size_t)(c0 + p) * row_stride) + lane)
-                          : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int j = 0; j < V_PER_THREAD; ++j) {
-            const int i = threadIdx.x + 256 * j, p = i / key_lanes, col = i % key_lanes;
-            vals[j] = p < n ? __ldg(reinterpret_cast<const uint4*>(v_base + (size_t)(c0 + p) * row_stride) + col)
-                            : make_uint4(0, 0, 0, 0);
-        }
+        // The first chunk was requested above; later ones here. Entries past n are never read.
+        if (c0 != begin) load_chunk(c0, n, 0, len);
 #pragma unroll
         for (int t = 0; t < PER_WARP; ++t) {
             const int p = warp + warps * t;
@@ -256,7 +270,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_combine(AttentionDim
     l = block_sum(l, scratch);
     float acc = 0.0f;
     const float* po = part_out + (size_t)head * d.splits * hd + i;
-#pragma unroll 8
+    // 32 loads in flight per thread: the splits' partial outputs are read from L2 one batch per
+    // round trip.
+#pragma unroll 32
     for (int s = 0; s < splits; ++s) acc += split_weight[s] * po[(size_t)s * hd];
     const float gate = proj[(size_t)head * 2 * hd + hd + i];
     out[(size_t)head * hd + i] = acc / l * sigmoid(gate);
