@@ -1,7 +1,8 @@
 // Decode mat-vec products y = W x for one token, for every weight format (bf16, MLX 4/8-bit),
 // and the embedding lookup. The row arithmetic (and matvec_impl) lives in rowdot.cuh.
 
-// y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds). `norm_scale` non-null:
+// y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds; y is then read before
+// waiting for the previous kernel, which must not have written it). `norm_scale` non-null:
 // x is RMS-normalised and scaled first. Several tokens at once: blockIdx.y is the token, whose x
 // and y rows follow each other (w.cols and w.rows floats apart).
 // A warp dots one row at a time, four 16-byte chunks per lane per pass (rows of up to 128 chunks

@@ -291,6 +291,11 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
         case 8: down_shared_prefetch<8>(shared_down, r0, shared_pass); break;
         default: down_shared_prefetch<16>(shared_down, r0, shared_pass); break;
     }
+    // The residual rows were last written three launches back (the mixer's output projection).
+    float prior[DOWN_ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
+        prior[i] = (threadIdx.x & 31) == 0 && r0 + i < d.hidden ? residual[r0 + i] : 0.0f;
     wait_for_previous_kernel();
     if (threadIdx.x <= d.top_k) ids[threadIdx.x] = ids_in[threadIdx.x];
     const int stride = max(d.intermediate, d.shared_intermediate);
@@ -323,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
     if ((threadIdx.x & 31) == 0)
 #pragma unroll
         for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
-            if (r0 + i < d.hidden) residual[r0 + i] += out[i];
+            if (r0 + i < d.hidden) residual[r0 + i] = prior[i] + out[i];
 }
 
 // Prefill: each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot

@@ -389,8 +389,14 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
     Pass<R, U> pass;
 #pragma unroll
     for (int i = 0; i < R; ++i) rows[i] = row_ref(w, row0 + i);
-    // The first rows' weights are in flight while the previous kernel finishes and x is staged.
+    // The first rows' weights are in flight while the previous kernel finishes and x is staged;
+    // so are the first rows of y when accumulating (the caller guarantees the launch just
+    // before did not write y).
     load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
+    float prior[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) prior[i] = accumulate && lane == 0 && row0 + i < w.rows ? y[row0 + i] : 0.0f;
+    const int first_row0 = row0;
     wait_for_previous_kernel();
     const StageSource src = {x, 0, w.cols, 1, nullptr};
     const float x_scale = stage<BITS>(src, norm_scale, eps, xs, smem);
@@ -408,7 +414,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
         for (int i = 0; i < R; ++i) {
             const float v = warp_sum(acc.total[i]) * x_scale;
             const int row = row0 + i;
-            if (lane == 0 && row < w.rows) y[row] = accumulate ? y[row] + v : v;
+            if (lane == 0 && row < w.rows) y[row] = accumulate ? (row0 == first_row0 ? prior[i] : y[row]) + v : v;
             rows[i] = next_rows[i];
         }
         row0 = next;
