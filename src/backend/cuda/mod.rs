@@ -828,14 +828,11 @@ impl CudaBackend {
         Ok(total - free)
     }
 
-    /// The mat-vec kernel for `w` and its rows per warp: `matvec_two_rows` when a row is at most
-    /// 64 16-byte chunks, else `matvec`.
+    /// The mat-vec kernel for `w` and its rows per warp (`matvec_rows_per_warp`).
     fn matvec_kernel(&self, w: &DeviceWeight) -> (&'static str, &CudaFunction, usize) {
-        let chunk_values = 128 / w.bits;
-        if w.cols.div_ceil(chunk_values) <= 64 {
-            ("matvec_two_rows", &self.k.matvec_two_rows, 2)
-        } else {
-            ("matvec", &self.k.matvec, 1)
+        match matvec_rows_per_warp(w.cols, w.bits) {
+            2 => ("matvec_two_rows", &self.k.matvec_two_rows, 2),
+            _ => ("matvec", &self.k.matvec, 1),
         }
     }
 
@@ -1192,6 +1189,17 @@ fn arg<T>(value: &T) -> *mut c_void {
     value as *const T as *mut c_void
 }
 
+/// Rows a mat-vec warp dots per pass for rows of `cols` values of `bits` bits: two
+/// (`matvec_two_rows`, two 16-byte chunks of each per lane) when a row is at most 64 chunks, so
+/// that short rows do not leave half the lanes idle; else one (`matvec`, four chunks per lane).
+fn matvec_rows_per_warp(cols: usize, bits: usize) -> usize {
+    if cols.div_ceil(128 / bits) <= 64 {
+        2
+    } else {
+        1
+    }
+}
+
 /// Dynamic shared memory of a kernel that stages inputs of the given widths (`staged_floats` in
 /// rowdot.cuh: the input, chunk sums and a scale), after 64 floats of reduction scratch.
 fn staged_bytes(widths: &[usize]) -> u32 {
@@ -1263,6 +1271,17 @@ mod tests {
         c.linear_key_head_dim = key_dim;
         c.linear_value_head_dim = value_dim;
         c
+    }
+
+    #[test]
+    fn short_rows_go_two_per_warp_pass() {
+        // The hidden size at 4 bits (in_proj, qkv, lm_head): 64 chunks of 32 values.
+        assert_eq!(matvec_rows_per_warp(2048, 4), 2);
+        // out_proj's 4,096 inputs, and bf16 rows of 2,048 (256 chunks of 8 values).
+        assert_eq!(matvec_rows_per_warp(4096, 4), 1);
+        assert_eq!(matvec_rows_per_warp(2048, 16), 1);
+        assert_eq!(matvec_rows_per_warp(1024, 8), 2);
+        assert_eq!(matvec_rows_per_warp(1032, 8), 1);
     }
 
     #[test]

@@ -63,10 +63,14 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 }
 
 // Programmatic dependent launch (sm_90): the host launches every decode kernel so that it may
-// start while the previous kernel finishes. A kernel first issues what depends only on its
-// weights, then calls wait_for_previous_kernel() before it reads or writes anything else; after
-// that it lets the next kernel start (the next one's early part then overlaps this one, never the
-// kernel before). Both are no-ops for an ordinary launch.
+// start while the previous kernel finishes. A kernel calls wait_for_previous_kernel() before it
+// reads anything the previous launch wrote and before it writes anything; after the wait it lets
+// the next kernel start. So when a kernel starts, the launch before the previous one has
+// finished and its writes are visible: before its wait a kernel may read its weights and
+// whatever was written two or more launches back (decode reads residual rows, cached keys and
+// values, the MoE's input that way), provided some block of the previous kernel waits (the next
+// launch starts once every block has waited or exited, so a kernel whose blocks all exited
+// without waiting would let it start early). Both are no-ops for an ordinary launch.
 __device__ __forceinline__ void wait_for_previous_kernel() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" :::);
