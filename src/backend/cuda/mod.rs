@@ -828,14 +828,6 @@ impl CudaBackend {
         Ok(total - free)
     }
 
-    /// The mat-vec kernel for `w` and its rows per warp (`matvec_rows_per_warp`).
-    fn matvec_kernel(&self, w: &DeviceWeight) -> (&'static str, &CudaFunction, usize) {
-        match matvec_rows_per_warp(w.cols, w.bits) {
-            2 => ("matvec_two_rows", &self.k.matvec_two_rows, 2),
-            _ => ("matvec", &self.k.matvec, 1),
-        }
-    }
-
     /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y
     /// (a grid row each); added to y when `accumulate`. At most one wave of persistent blocks.
     #[allow(clippy::too_many_arguments)]
@@ -853,7 +845,12 @@ impl CudaBackend {
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
-        let (name, kernel, rows_per_warp) = self.matvec_kernel(w);
+        let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
+        let (name, kernel) = if rows_per_warp == 2 {
+            ("matvec_two_rows", &self.k.matvec_two_rows)
+        } else {
+            ("matvec", &self.k.matvec)
+        };
         let warps = MATVEC_THREADS as usize / 32;
         let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
         let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
