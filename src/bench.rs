@@ -23,6 +23,9 @@ pub struct BenchArgs {
     pub use_graphs: bool,
     /// Decode steps to run inside a profiler range after the timed ones (see `CudaBackend::profile`).
     pub profile_steps: usize,
+    /// Replays per truncated step for the decode critical path (0: not timed; see
+    /// `CudaBackend::decode_critical_path`).
+    pub critical_path: usize,
     /// Prompt tokens per prefill chunk (`CudaOptions::prefill_chunk`).
     pub prefill_chunk: usize,
 }
@@ -34,7 +37,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "--prompt and --gen must be positive"
     );
     let opts = CudaOptions {
-        max_context: args.prompt + args.generate + args.profile_steps + 1,
+        max_context: args.prompt + args.generate + args.profile_steps + args.critical_path + 2,
         max_sequences: 1,
         use_graphs: args.use_graphs,
         prefill_chunk: args.prefill_chunk,
@@ -77,6 +80,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let decode_s = start.elapsed().as_secs_f64();
     let decode_tok_s = (args.generate - 1) as f64 / decode_s;
+    let critical = if args.critical_path > 0 {
+        Some(backend.decode_critical_path(&mut state, args.critical_path)?)
+    } else {
+        None
+    };
     if args.profile_steps > 0 {
         backend.profile(|| {
             for _ in 0..args.profile_steps {
@@ -161,6 +169,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         achieved / 1e9,
         100.0 * achieved / copy_bw
     );
+    if let Some((shares, step_us)) = &critical {
+        println!("decode critical path, per kernel (step {step_us:.1} us replayed):");
+        for share in shares {
+            println!(
+                "  {:<22} {:>4} launches {:>8.1} us {:>6.2} us each {:>5.1}%",
+                share.name,
+                share.launches,
+                share.critical_us,
+                share.critical_us / share.launches as f64,
+                100.0 * share.critical_us / step_us
+            );
+        }
+    }
     println!(
         "{}",
         serde_json::json!({

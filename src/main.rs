@@ -87,6 +87,10 @@ enum Command {
         /// `ncu --profile-from-start off`; the prefill timed by part runs in one too).
         #[arg(long, default_value_t = 0)]
         profile_steps: usize,
+        /// Also time each decode kernel's share of the replayed step: the step's graph is
+        /// replayed truncated after each launch, this many times each.
+        #[arg(long, default_value_t = 0)]
+        critical_path: usize,
         /// Prompt tokens per prefill chunk.
         #[arg(long, default_value_t = lily::backend::cuda::DEFAULT_PREFILL_CHUNK as u32,
               value_parser = clap::value_parser!(u32).range(1..))]
@@ -380,6 +384,7 @@ fn run(cli: Cli) -> Result<()> {
             generate,
             no_graphs,
             profile_steps,
+            critical_path,
             prefill_chunk,
         } => {
             use lily::backend::cuda::weights::WeightFormat;
@@ -399,6 +404,7 @@ fn run(cli: Cli) -> Result<()> {
                 generate,
                 use_graphs: !no_graphs,
                 profile_steps,
+                critical_path,
                 prefill_chunk: prefill_chunk as usize,
             })?;
         }

@@ -412,3 +412,81 @@ fn deltanet_heads_outside_the_chunkwise_kernels_match_the_cpu() {
     let label = "key_dim 16, value_dim 24";
     prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::All, 4, label);
 }
+
+/// Decode attention (`attention_split` on tensor cores, then `attention_combine`) against an f64
+/// softmax over the same bf16 cache, at query groups that fill part of one block's 8 heads, all
+/// of them, and two blocks (the second partly), head dims 32 to 256, and contexts and split counts
+/// that give one position, partial warp tiles, several tiles per warp, splits past the context
+/// and the most splits. Queries are scaled up so that the softmax is peaked: a position lost or
+/// misplaced shows.
+#[test]
+fn decode_attention_matches_an_f64_softmax_over_the_cache() {
+    for (heads, kv_heads, head_dim) in [(4, 2, 32), (8, 1, 64), (16, 2, 256), (20, 2, 128)] {
+        let mut config = demo_config_json();
+        config["num_attention_heads"] = heads.into();
+        config["num_key_value_heads"] = kv_heads.into();
+        config["head_dim"] = head_dim.into();
+        let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
+        let model = random_model(config).unwrap();
+        let gpu = cuda(&model, 1);
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut uniform = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        for (positions, splits) in [(1, 256), (37, 1), (300, 256), (1000, 3), (2000, 256)] {
+            let row = kv_heads * head_dim;
+            let q: Vec<f32> = (0..heads * head_dim).map(|_| uniform() * 4.0).collect();
+            let gate: Vec<f32> = (0..heads * head_dim).map(|_| uniform() * 3.0).collect();
+            let bf16 = |v: f32| half::bf16::from_f32(v);
+            let keys: Vec<half::bf16> = (0..positions * row).map(|_| bf16(uniform())).collect();
+            let values: Vec<half::bf16> = (0..positions * row).map(|_| bf16(uniform())).collect();
+            let bits = |v: &[half::bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+            let got = gpu
+                .attention_over_cache(&q, &bits(&keys), &bits(&values), &gate, splits)
+                .unwrap();
+            let group = heads / kv_heads;
+            let scale = 1.0 / (head_dim as f64).sqrt();
+            let mut want = vec![0.0f32; heads * head_dim];
+            for h in 0..heads {
+                let kvh = h / group;
+                let qh = &q[h * head_dim..(h + 1) * head_dim];
+                let at = |p: usize| p * row + kvh * head_dim;
+                let scores: Vec<f64> = (0..positions)
+                    .map(|p| {
+                        let k = &keys[at(p)..at(p) + head_dim];
+                        qh.iter()
+                            .zip(k)
+                            .map(|(&a, b)| a as f64 * b.to_f64())
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for i in 0..head_dim {
+                    let o: f64 = (0..positions)
+                        .map(|p| weights[p] * values[at(p) + i].to_f64())
+                        .sum::<f64>()
+                        / total;
+                    let g = gate[h * head_dim + i] as f64;
+                    want[h * head_dim + i] = (o / (1.0 + (-g).exp())) as f32;
+                }
+            }
+            let err = relative_error(&got, &want);
+            // Queries and probabilities round to bf16 on the tensor cores (2^-9 relative).
+            assert!(
+                err < 1e-2,
+                "{heads} heads over {kv_heads} KV heads of {head_dim}, {positions} positions, \
+                 {splits} splits: relative error {err:.2e}"
+            );
+            println!(
+                "attention {heads}/{kv_heads} heads of {head_dim}, {positions} positions, \
+                 {splits} splits: relative error {err:.2e}"
+            );
+        }
+    }
+}

@@ -3,15 +3,16 @@
 //! through the context splits, the MoE kernels) also serve prefill for weights the tensor-core
 //! products do not take, with the chunk's tokens along a grid dimension.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
 use cudarc::driver::CudaSlice;
 
 use super::weights::{self, DeviceMixer, ptr};
 use super::{
-    ARGMAX_BLOCKS, ATTENTION_CHUNK, ATTENTION_SPLITS, ATTENTION_THREADS, AttentionBuffers,
-    AttentionDims, AttentionSplits, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams,
-    DeltaNetShape, GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN,
-    SAMPLE_THREADS, Slot, StepEnd, arg, cfg, moe_down_smem, staged_bytes,
+    ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
+    AttentionBuffers, AttentionDims, AttentionSplits, COMBINE_DIMS, COMBINE_PARTS, CudaBackend,
+    DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape, GATE_UP_ROWS_PER_WARP,
+    MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot, StepEnd, arg, cfg,
+    moe_down_smem, staged_bytes,
 };
 
 impl CudaBackend {
@@ -224,17 +225,30 @@ impl CudaBackend {
         parts: &AttentionSplits,
         tokens: usize,
     ) -> Result<()> {
-        let c = &self.config;
         self.attention_prepare(dims, b, tokens)?;
+        self.attention_over_context(dims, b, parts, tokens)
+    }
+
+    /// Attention of the prepared queries over the cache (the context splits, then their merge
+    /// with the output gate).
+    fn attention_over_context(
+        &self,
+        dims: &AttentionDims,
+        b: &AttentionBuffers,
+        parts: &AttentionSplits,
+        tokens: usize,
+    ) -> Result<()> {
+        let c = &self.config;
         let tokens = tokens as u32;
+        let head_tiles = (c.num_attention_heads / c.num_key_value_heads).div_ceil(ATTENTION_HEADS);
         // SAFETY: q, proj and out hold a row per token, the split buffers tokens * heads *
         // dims.splits entries (of head_dim floats for `out`).
         unsafe {
             let mut split = cfg(
-                c.num_key_value_heads as u32,
+                (c.num_key_value_heads * head_tiles) as u32,
                 dims.splits as u32,
-                ATTENTION_THREADS,
-                (ATTENTION_CHUNK * c.head_dim * 2) as u32,
+                (ATTENTION_WARPS * 32) as u32,
+                attention_split_smem(c.head_dim),
             );
             split.grid_dim.2 = tokens;
             self.launch(
@@ -252,10 +266,17 @@ impl CudaBackend {
                     arg(&parts.out),
                 ],
             )?;
+            let mut combine = cfg(
+                c.num_attention_heads as u32,
+                c.head_dim.div_ceil(COMBINE_DIMS) as u32,
+                (COMBINE_DIMS * COMBINE_PARTS) as u32,
+                0,
+            );
+            combine.grid_dim.2 = tokens;
             self.launch(
                 "attention_combine",
                 &self.k.attention_combine,
-                cfg(c.num_attention_heads as u32, tokens, c.head_dim as u32, 0),
+                combine,
                 &mut [
                     arg(dims),
                     arg(&b.proj),
@@ -268,6 +289,74 @@ impl CudaBackend {
             )?;
         }
         Ok(())
+    }
+
+    /// Decode attention of one query token (`q`: heads x head_dim, unscaled) over a cache of
+    /// bf16 `keys` and `values` ([positions, kv_heads, head_dim], the last position the token's
+    /// own), gated by sigmoid(`gate`) (heads x head_dim), with the context split at most
+    /// `splits` ways: [heads, head_dim]. Uploads everything, so it serves checks of the decode
+    /// kernels at any context length and split count; decode runs them on the slot's buffers.
+    pub fn attention_over_cache(
+        &self,
+        q: &[f32],
+        keys: &[u16],
+        values: &[u16],
+        gate: &[f32],
+        splits: usize,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (heads, hd) = (c.num_attention_heads, c.head_dim);
+        let row = c.num_key_value_heads * hd;
+        ensure!(
+            q.len() == heads * hd && gate.len() == heads * hd,
+            "q and gate hold {} and {} values, not heads x head_dim = {}",
+            q.len(),
+            gate.len(),
+            heads * hd
+        );
+        ensure!(
+            !keys.is_empty() && keys.len().is_multiple_of(row) && values.len() == keys.len(),
+            "keys and values must hold the same whole number of rows of kv_heads x head_dim = {row}"
+        );
+        ensure!(
+            (1..=ATTENTION_SPLITS).contains(&splits),
+            "splits must be 1 to {ATTENTION_SPLITS}"
+        );
+        let positions = keys.len() / row;
+        let s = &self.stream;
+        // proj holds, per head, the query then the gate; only the gates are read.
+        let mut proj = vec![0.0f32; heads * 2 * hd];
+        for (h, g) in gate.chunks_exact(hd).enumerate() {
+            proj[(2 * h + 1) * hd..(2 * h + 2) * hd].copy_from_slice(g);
+        }
+        let proj = s.clone_htod(&proj)?;
+        let q = s.clone_htod(q)?;
+        let (k_cache, v_cache) = (s.clone_htod(keys)?, s.clone_htod(values)?);
+        let position = s.clone_htod(&[(positions - 1) as i32])?;
+        let out = s.alloc_zeros::<f32>(heads * hd)?;
+        let (max, sum) = (
+            s.alloc_zeros::<f32>(heads * splits)?,
+            s.alloc_zeros::<f32>(heads * splits)?,
+        );
+        let part_out = s.alloc_zeros::<f32>(heads * splits * hd)?;
+        let dims = AttentionDims::new(c, positions, splits);
+        let b = AttentionBuffers {
+            proj: ptr(&proj, s),
+            q_norm: 0,
+            k_norm: 0,
+            position: ptr(&position, s),
+            q: ptr(&q, s),
+            k_cache: ptr(&k_cache, s),
+            v_cache: ptr(&v_cache, s),
+            out: ptr(&out, s),
+        };
+        let parts = AttentionSplits {
+            max: ptr(&max, s),
+            sum: ptr(&sum, s),
+            out: ptr(&part_out, s),
+        };
+        self.attention_over_context(&dims, &b, &parts, 1)?;
+        Ok(s.clone_dtoh(&out)?)
     }
 
     /// The MoE block of a layer for `tokens` rows of the residual `x`, added to it, through the
@@ -386,5 +475,34 @@ impl CudaBackend {
             )
         }?;
         Ok(())
+    }
+}
+
+/// Dynamic shared memory of `attention_split`: per warp a key and a value tile of ATTENTION_TILE
+/// rows of head_dim rounded up to an instantiated width (32, 64, 128 or 256; construction checks
+/// that head_dim is at most 256) plus 8 bf16 of padding.
+pub(super) fn attention_split_smem(head_dim: usize) -> u32 {
+    let width = [32, 64, 128, 256]
+        .into_iter()
+        .find(|&w| head_dim <= w)
+        .unwrap_or(256);
+    (ATTENTION_WARPS * 2 * ATTENTION_TILE * (width + 8) * 2) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::MAX_DYNAMIC_SHARED_BYTES;
+    use super::*;
+
+    #[test]
+    fn attention_split_tiles_fit_three_blocks_per_sm() {
+        let full = attention_split_smem(256) as usize;
+        assert_eq!(full, 4 * 2 * 16 * 264 * 2);
+        assert!(full <= MAX_DYNAMIC_SHARED_BYTES);
+        // An H200 SM has 228 KB of shared memory, 1 KB of it reserved per block; the static
+        // merge arrays take 256 bytes.
+        assert!(3 * (full + 1024 + 256) <= 228 * 1024);
+        assert_eq!(attention_split_smem(96), attention_split_smem(128));
+        assert_eq!(attention_split_smem(32), 4 * 2 * 16 * 40 * 2);
     }
 }

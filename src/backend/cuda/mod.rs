@@ -50,13 +50,19 @@ const MATVEC_BLOCKS_PER_SM: usize = 3;
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
 const DOWN_ROWS_PER_WARP: usize = 1;
-/// Most context splits of attention decode (flash-decoding); a split covers at least 32 positions.
+/// Most context splits of attention decode (flash-decoding); a split covers whole rounds of its
+/// warps' tiles, at least 64 positions.
 const ATTENTION_SPLITS: usize = 256;
-/// Threads of an `attention_split` block.
-const ATTENTION_THREADS: u32 = 256;
-/// Positions `attention_split` takes at a time (ATTN_CHUNK); their values are staged in dynamic
+/// Warps of an `attention_split` block (DECODE_WARPS), each with its own tiles of positions.
+const ATTENTION_WARPS: usize = 4;
+/// Positions of an `attention_split` warp tile (DECODE_TILE): its keys and values are staged in
 /// shared memory as bf16.
-const ATTENTION_CHUNK: usize = 32;
+const ATTENTION_TILE: usize = 16;
+/// Query heads of an `attention_split` block (DECODE_HEADS).
+const ATTENTION_HEADS: usize = 8;
+/// Head dims per `attention_combine` block (COMBINE_DIMS) and threads per dim (COMBINE_PARTS).
+const COMBINE_DIMS: usize = 64;
+const COMBINE_PARTS: usize = 4;
 /// Dynamic shared memory the staging kernels may use.
 const MAX_DYNAMIC_SHARED_BYTES: usize = 200 * 1024;
 /// Threads of the one `sample_token` block (SAMPLE_THREADS in sample.cu).
@@ -466,6 +472,8 @@ pub struct CudaBackend {
     prefill_chunk: usize,
     /// Per-part prefill timing, when `time_prefill_parts` runs.
     timer: Mutex<timing::PartTimer>,
+    /// Truncates recorded decode steps, when `decode_critical_path` runs.
+    prefix: timing::LaunchPrefix,
 }
 
 /// Options of the CUDA backend.
@@ -576,6 +584,7 @@ impl CudaBackend {
             &k.gemm_q_grouped,
             &k.gemm_q_grouped_wide,
             &k.attention_prefill,
+            &k.attention_split,
             &k.deltanet_chunk_prepare,
             &k.deltanet_chunk_state,
             &k.deltanet_chunk_output,
@@ -691,6 +700,7 @@ impl CudaBackend {
             prefill: Mutex::new(prefill),
             prefill_chunk,
             timer: Mutex::new(timing::PartTimer::default()),
+            prefix: timing::LaunchPrefix::default(),
         })
     }
 
@@ -888,7 +898,7 @@ impl CudaBackend {
     /// buffers they name must fit the launch.
     unsafe fn launch(
         &self,
-        name: &str,
+        name: &'static str,
         kernel: &CudaFunction,
         cfg: LaunchConfig,
         params: &mut [*mut c_void],
@@ -904,12 +914,15 @@ impl CudaBackend {
     /// As for `launch`; the grid's x dimension must be a multiple of `cluster`.
     unsafe fn launch_clusters(
         &self,
-        name: &str,
+        name: &'static str,
         kernel: &CudaFunction,
         cfg: LaunchConfig,
         cluster: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        if !self.prefix.admit(name)? {
+            return Ok(());
+        }
         let mut attributes = [
             CUlaunchAttribute {
                 id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,

@@ -1,10 +1,16 @@
 //! Where prefill time goes: when enabled, the prefill path records a CUDA event at the end of each
 //! part of a layer (projections, DeltaNet, attention, MoE, lm_head) and the timer sums the GPU
 //! time between consecutive events per part. Off by default: recording events costs a driver call
-//! each, so only `lily bench` turns it on, for a run of its own.
+//! each, so only `lily bench` turns it on, for a run of its own. Decode is timed per kernel on
+//! its critical path, from truncated replays of the step's graph (`LaunchPrefix`).
 
-use anyhow::Result;
-use cudarc::driver::{CudaEvent, CudaStream, sys::CUevent_flags};
+use std::sync::Mutex;
+
+use anyhow::{Context, Result};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaEvent, CudaStream};
+
+use super::{CudaBackend, CudaState, StepEnd};
 
 /// The parts prefill time is split into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,5 +89,131 @@ impl PartTimer {
             previous = event;
         }
         Ok(totals)
+    }
+}
+
+/// Where decode time goes inside the replayed graph, kernel by kernel. Kernels of a step overlap
+/// (programmatic dependent launch), so their own durations do not add up to the step; instead the
+/// step is captured truncated after each of its launches in turn, and a launch's share is how much
+/// replaying the graph grows when it is added: its cost on the step's critical path.
+#[derive(Default)]
+pub struct LaunchPrefix {
+    recording: Mutex<Option<Recording>>,
+}
+
+/// A step being recorded: the most launches to keep, and the names of those issued so far.
+struct Recording {
+    limit: usize,
+    names: Vec<&'static str>,
+}
+
+impl LaunchPrefix {
+    /// Starts recording a step of at most `limit` launches.
+    fn begin(&self, limit: usize) -> Result<()> {
+        *self.lock()? = Some(Recording {
+            limit,
+            names: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Stops recording; returns the names of the launches issued.
+    fn end(&self) -> Result<Vec<&'static str>> {
+        Ok(self.lock()?.take().map(|r| r.names).unwrap_or_default())
+    }
+
+    /// Counts a launch named `name`; false when it falls past the limit and must be skipped.
+    pub fn admit(&self, name: &'static str) -> Result<bool> {
+        Ok(match self.lock()?.as_mut() {
+            Some(r) => {
+                r.names.push(name);
+                r.names.len() <= r.limit
+            }
+            None => true,
+        })
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Option<Recording>>> {
+        self.recording
+            .lock()
+            .map_err(|_| anyhow::anyhow!("launch prefix lock poisoned"))
+    }
+}
+
+/// One kernel's share of the decode step (see `LaunchPrefix`).
+#[derive(Clone, Debug)]
+pub struct KernelShare {
+    pub name: &'static str,
+    pub launches: usize,
+    /// Microseconds added to the replayed step by all of its launches together.
+    pub critical_us: f64,
+}
+
+impl CudaBackend {
+    /// Replays the greedy decode step of `state`'s slot truncated after each launch, `reps` times
+    /// each, and returns each kernel's share of the step (in order of first launch) and the full
+    /// step's time in microseconds. The slot's position does not advance except in the full step,
+    /// which advances it `reps + 1` times.
+    pub fn decode_critical_path(
+        &self,
+        state: &mut CudaState,
+        reps: usize,
+    ) -> Result<(Vec<KernelShare>, f64)> {
+        let slots = self
+            .slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let slot = &slots[state.slot];
+        // The step truncated after `limit` launches: microseconds per replay, launch names.
+        let replay = |limit: usize| -> Result<(f64, Vec<&'static str>)> {
+            self.prefix.begin(limit)?;
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let recorded = self.record_step(slot, StepEnd::Greedy);
+            let names = self.prefix.end()?;
+            let captured = self.stream.end_capture(
+                CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )?;
+            recorded?;
+            let graph = captured.context("capturing a truncated decode step produced no graph")?;
+            graph.launch()?;
+            let start = PartTimer::event(&self.stream)?;
+            for _ in 0..reps {
+                graph.launch()?;
+            }
+            let end = PartTimer::event(&self.stream)?;
+            Ok((start.elapsed_ms(&end)? as f64 * 1e3 / reps as f64, names))
+        };
+        let result = (|| {
+            let (full, names) = replay(usize::MAX)?;
+            let mut shares: Vec<KernelShare> = Vec::new();
+            let mut before = 0.0;
+            for (i, &name) in names.iter().enumerate() {
+                let now = if i + 1 == names.len() {
+                    full
+                } else {
+                    replay(i + 1)?.0
+                };
+                let share = match shares.iter_mut().find(|s| s.name == name) {
+                    Some(share) => share,
+                    None => {
+                        shares.push(KernelShare {
+                            name,
+                            launches: 0,
+                            critical_us: 0.0,
+                        });
+                        shares.last_mut().context("a share was just added")?
+                    }
+                };
+                share.launches += 1;
+                share.critical_us += now - before;
+                before = now;
+            }
+            Ok((shares, full))
+        })();
+        self.prefix.end()?;
+        state.position += reps + 1;
+        state.device_token = None;
+        result
     }
 }

@@ -59,247 +59,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDim
     }
 }
 
-#define ATTN_CHUNK 32
-#define ATTN_MAX_GROUP 16
-#define ATTN_MAX_HEAD_DIM 256
-
-// Positions per split for a context of `len` tokens: whole chunks, at most `max_splits` splits.
-__device__ __forceinline__ int attention_split_len(int len, int max_splits) {
-    const int per = (len + max_splits - 1) / max_splits;
-    return max(ATTN_CHUNK, (per + ATTN_CHUNK - 1) / ATTN_CHUNK * ATTN_CHUNK);
-}
-
-// Block (kv head, split, token), 256 threads: the split's positions for all query heads of the KV head,
-// ATTN_CHUNK positions at a time. Each chunk's keys (to registers) and values (to shared memory)
-// are requested together up front, so a chunk costs one memory round trip. Scores: each warp
-// takes every 8th position of the chunk, a lane 8 dimensions of its key (one 16-byte load).
-// Values: thread t accumulates dimension t of every head. Writes per (head, split): running max,
-// sum and unnormalised output. Splits beyond the context exit at once.
-// Dynamic shared memory: ATTN_CHUNK * head_dim bf16 (the chunk's values).
-template <int MAX_GROUP>
-__device__ void attention_split_impl(const AttentionDims& d, const float* q, const bf16* k_cache, const bf16* v_cache,
-                                     const int* position, float* part_max, float* part_sum, float* part_out) {
-    __shared__ __align__(16) float qs[MAX_GROUP * ATTN_MAX_HEAD_DIM];
-    __shared__ float scores[MAX_GROUP][ATTN_CHUNK];
-    __shared__ float run_max[MAX_GROUP], run_sum[MAX_GROUP], correction[MAX_GROUP];
-    extern __shared__ __align__(16) bf16 values[];  // [ATTN_CHUNK, head_dim]
-    // Token blockIdx.z of a run of tokens at consecutive positions attends to positions
-    // [0, position[0] + token].
-    const int kvh = blockIdx.x, split = blockIdx.y, token = blockIdx.z;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int group = d.heads / d.kv_heads, hd = d.head_dim;
-    // The position was set by an earlier step, the cache below it by earlier launches: the
-    // first chunk's keys and values there are requested before waiting for attention_prepare
-    // (which appends this launch's tokens and writes q).
-    const int cached = position[0];
-    const int len = cached + token + 1;
-    q += (size_t)token * d.heads * hd;
-    part_max += (size_t)token * d.heads * d.splits;
-    part_sum += (size_t)token * d.heads * d.splits;
-    part_out += (size_t)token * d.heads * d.splits * hd;
-    const int per = attention_split_len(len, d.splits);
-    const int begin = split * per;
-    if (begin >= len) return;
-    const int end = min(len, begin + per);
-    const int key_lanes = hd / 8;
-    const size_t row_stride = (size_t)d.kv_heads * hd;
-    const bf16* k_base = k_cache + (size_t)kvh * hd;
-    const bf16* v_base = v_cache + (size_t)kvh * hd;
-    constexpr int PER_WARP = ATTN_CHUNK / 8;
-    constexpr int V_PER_THREAD = ATTN_CHUNK * (ATTN_MAX_HEAD_DIM / 8) / 256;
-    uint4 keys[PER_WARP];
-    uint4 vals[V_PER_THREAD];
-    // Requests the keys and values of the chunk's positions c0 + p in [lo, hi) (p < n).
-    const auto load_chunk = [&](int c0, int n, int lo, int hi) {
-#pragma unroll
-        for (int t = 0; t < PER_WARP; ++t) {
-            const int p = warp + warps * t;
-            if (p < n && lane < key_lanes && c0 + p >= lo && c0 + p < hi)
-                keys[t] = __ldg(reinterpret_cast<const uint4*>(k_base + (size_t)(c0 + p) * row_stride) + lane);
-        }
-#pragma unroll
-        for (int j = 0; j < V_PER_THREAD; ++j) {
-            const int i = threadIdx.x + 256 * j, p = i / key_lanes, col = i % key_lanes;
-            if (p < n && c0 + p >= lo && c0 + p < hi)
-                vals[j] = __ldg(reinterpret_cast<const uint4*>(v_base + (size_t)(c0 + p) * row_stride) + col);
-        }
-    };
-#pragma unroll
-    for (int t = 0; t < PER_WARP; ++t) keys[t] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int j = 0; j < V_PER_THREAD; ++j) vals[j] = make_uint4(0, 0, 0, 0);
-    load_chunk(begin, min(ATTN_CHUNK, end - begin), 0, cached);
-    wait_for_previous_kernel();
-    load_chunk(begin, min(ATTN_CHUNK, end - begin), cached, len);
-    const float scale = rsqrtf((float)hd);
-    for (int i = threadIdx.x; i < group * hd; i += blockDim.x) qs[i] = q[(size_t)kvh * group * hd + i] * scale;
-    if (threadIdx.x < group) {
-        run_max[threadIdx.x] = -INFINITY;
-        run_sum[threadIdx.x] = 0.0f;
-    }
-    float acc[MAX_GROUP];
-#pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) acc[g] = 0.0f;
-    __syncthreads();
-
-    for (int c0 = begin; c0 < end; c0 += ATTN_CHUNK) {
-        const int n = min(ATTN_CHUNK, end - c0);
-        // The first chunk was requested above; later ones here. Entries past n are never read.
-        if (c0 != begin) load_chunk(c0, n, 0, len);
-#pragma unroll
-        for (int t = 0; t < PER_WARP; ++t) {
-            const int p = warp + warps * t;
-            if (p >= n) continue;
-            const uint32_t w[4] = {keys[t].x, keys[t].y, keys[t].z, keys[t].w};
-            float k[8];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                k[2 * e] = __uint_as_float(w[e] << 16);
-                k[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
-            }
-            // All heads' partial dot products first, then their reductions: independent shuffles.
-            float s[MAX_GROUP];
-#pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g) {
-                s[g] = 0.0f;
-                if (g < group && lane < key_lanes) {
-                    const float4 a = *reinterpret_cast<const float4*>(qs + g * hd + lane * 8);
-                    const float4 b = *reinterpret_cast<const float4*>(qs + g * hd + lane * 8 + 4);
-                    s[g] = a.x * k[0] + a.y * k[1] + a.z * k[2] + a.w * k[3] + b.x * k[4] + b.y * k[5] + b.z * k[6] +
-                           b.w * k[7];
-                }
-            }
-#pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g) {
-                if (g >= group) break;
-                const float v = warp_sum(s[g]);
-                if (lane == 0) scores[g][p] = v;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < V_PER_THREAD; ++j) {
-            const int i = threadIdx.x + 256 * j, p = i / key_lanes, col = i % key_lanes;
-            if (p < ATTN_CHUNK) reinterpret_cast<uint4*>(values + (size_t)p * hd)[col] = vals[j];
-        }
-        __syncthreads();
-        // Online softmax: warp w updates heads w, w + 8, ...
-        for (int g = warp; g < group; g += warps) {
-            static_assert(ATTN_CHUNK == 32, "the softmax gives each lane one position of the chunk");
-            const float s0 = lane < n ? scores[g][lane] : -INFINITY;
-            const float m_new = fmaxf(run_max[g], warp_max(s0));
-            const float e0 = lane < n ? __expf(s0 - m_new) : 0.0f;
-            scores[g][lane] = e0;
-            const float sum = warp_sum(e0);
-            if (lane == 0) {
-                const float c = __expf(run_max[g] - m_new);
-                correction[g] = c;
-                run_sum[g] = run_sum[g] * c + sum;
-                run_max[g] = m_new;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < hd) {
-#pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g)
-                if (g < group) acc[g] *= correction[g];
-#pragma unroll 8
-            for (int p = 0; p < n; ++p) {
-                const float v = __bfloat162float(values[(size_t)p * hd + threadIdx.x]);
-#pragma unroll
-                for (int g = 0; g < MAX_GROUP; ++g)
-                    if (g < group) acc[g] += scores[g][p] * v;
-            }
-        }
-        __syncthreads();
-    }
-    const int head0 = kvh * group;
-    if (threadIdx.x < group) {
-        const size_t slot = (size_t)(head0 + threadIdx.x) * d.splits + split;
-        part_max[slot] = run_max[threadIdx.x];
-        part_sum[slot] = run_sum[threadIdx.x];
-    }
-    if (threadIdx.x < hd) {
-#pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g)
-            if (g < group) part_out[((size_t)(head0 + g) * d.splits + split) * hd + threadIdx.x] = acc[g];
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256) attention_split(AttentionDims d, const float* q, const bf16* k_cache,
-                                                                 const bf16* v_cache, const int* position,
-                                                                 float* part_max, float* part_sum, float* part_out) {
-    if (d.heads / d.kv_heads <= 8) attention_split_impl<8>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
-    else attention_split_impl<ATTN_MAX_GROUP>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
-}
-
-// Merges the splits of each head and applies the output gate sigmoid(gate), for token
-// t = blockIdx.y at position position[0] + t. Launch: (heads, tokens) blocks of head_dim threads;
-// splits (at most 1024) are shared out over them.
-extern "C" __global__ void __launch_bounds__(256) attention_combine(AttentionDims d, const float* proj,
-                                                                   const int* position, const float* part_max,
-                                                                   const float* part_sum, const float* part_out,
-                                                                   float* out) {
-    wait_for_previous_kernel();
-    __shared__ float scratch[32];
-    __shared__ float split_weight[1024];
-    const int head = blockIdx.x, i = threadIdx.x, hd = d.head_dim, t = blockIdx.y;
-    const int len = position[0] + t + 1;
-    const int per = attention_split_len(len, d.splits);
-    const int splits = (len + per - 1) / per;
-    proj += (size_t)t * attention_proj_width(d);
-    out += (size_t)t * d.heads * hd;
-    part_max += (size_t)t * d.heads * d.splits;
-    part_sum += (size_t)t * d.heads * d.splits;
-    part_out += (size_t)t * d.heads * d.splits * hd;
-    const float* pm = part_max + (size_t)head * d.splits;
-    const float* ps = part_sum + (size_t)head * d.splits;
-    float m = -INFINITY;
-    for (int s = i; s < splits; s += blockDim.x) m = fmaxf(m, pm[s]);
-    m = warp_max(m);
-    __syncthreads();
-    if ((i & 31) == 0) scratch[i >> 5] = m;
-    __syncthreads();
-    m = -INFINITY;
-    for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) m = fmaxf(m, scratch[w]);
-    float l = 0.0f;
-    for (int s = i; s < splits; s += blockDim.x) {
-        const float w = __expf(pm[s] - m);
-        split_weight[s] = w;
-        l += w * ps[s];
-    }
-    l = block_sum(l, scratch);
-    float acc = 0.0f;
-    const float* po = part_out + (size_t)head * d.splits * hd + i;
-    // 32 loads in flight per thread: the splits' partial outputs are read from L2 one batch per
-    // round trip.
-#pragma unroll 32
-    for (int s = 0; s < splits; ++s) acc += split_weight[s] * po[(size_t)s * hd];
-    const float gate = proj[(size_t)head * 2 * hd + hd + i];
-    out[(size_t)head * hd + i] = acc / l * sigmoid(gate);
-}
-
 // ---------------------------------------------------------------------------------------------
-// Prefill: causal flash attention on tensor cores.
-//
-// A block owns PREFILL_QUERY_TILE consecutive query tokens of one query head (4 warps, 16 rows
-// each) and walks the key positions 0 .. position of its last token, PREFILL_KEY_TILE at a time,
-// with an online softmax in f32. Scores S = Q K^T and the output O += P V are mma.sync m16n8k16
-// products (bf16 in, f32 accumulate); Q is rounded from f32 to bf16 once, K and V come from the
-// bf16 cache. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"), g = lane / 4,
-// c = lane % 4:
-//   A (16x16, row-major): reg 0 = (row g, cols 2c, 2c+1), reg 1 = (row g+8, same cols),
-//                         reg 2 = (row g, cols 2c+8, 2c+9), reg 3 = (row g+8, cols 2c+8, 2c+9);
-//   B (16x8, col-major):  reg 0 = (k 2c, 2c+1; n g), reg 1 = (k 2c+8, 2c+9; n g);
-//   C (16x8, f32):        c0, c1 = (row g, cols 2c, 2c+1), c2, c3 = (row g+8, same cols).
-// So a thread holds rows g and g+8 of its warp's 16 query rows throughout, and the S fragments
-// of two neighbouring 8-key tiles are, packed to bf16, the A fragment of P for those 16 keys.
-// Shared memory holds one tile each of Q, K and V ([64][head_dim + PREFILL_ROW_PAD] bf16): the
-// next key tile is copied (cp.async) while P V runs, the value tile while Q K^T runs.
-
-#define PREFILL_QUERY_TILE 64  // query tokens per block: 4 warps of 16 rows
-#define PREFILL_KEY_TILE 64    // key positions per step
-#define PREFILL_THREADS 128
-#define PREFILL_ROW_PAD 8  // bf16 after each shared row: the 8 rows one ldmatrix reads fall in distinct banks
+// Tensor-core pieces shared by decode and prefill.
 
 // D += A B for one m16n8k16 tile, bf16 inputs, f32 accumulators.
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -342,6 +103,336 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
 }
+
+// Transposes an 8x8 bf16 matrix held one row pair per lane (lane l: row l / 4, cols 2 (l % 4),
+// +1) into the same layout of its transpose.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
+    uint32_t r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(v));
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: attention split over the context, on tensor cores.
+//
+// A block takes one split of the context for up to DECODE_HEADS query heads of one KV head; each
+// of its DECODE_WARPS warps walks its own DECODE_TILE-position tiles of the split (tile i of warp
+// w starts at begin + DECODE_TILE (w + DECODE_WARPS i)) with its own online softmax, and the
+// warps merge at the end. Per tile, with the query heads as the mma's n = 8 columns (so grouped
+// queries waste nothing) and positions or head dimensions as its m = 16 rows:
+//   S^T = K Q^T     (rows: positions; k: head dims; K from shared memory by ldmatrix, Q^T
+//                    fragments in registers for the whole split),
+//   O^T += V^T P^T  (rows: head dims; k: positions; V^T by ldmatrix.trans, P^T from S^T's
+//                    accumulators by movmatrix.trans).
+// A thread's S^T and O^T accumulators hold the same two heads (2c, 2c + 1, c = lane % 4), so the
+// softmax rescaling stays in registers. Q and P are rounded to bf16, as in prefill.
+
+#define DECODE_TILE 16   // positions per warp tile (the mma's m)
+#define DECODE_WARPS 4
+#define DECODE_HEADS 8   // query heads per block (the mma's n)
+#define DECODE_ROW_PAD 8  // bf16 after each shared row: the 8 rows one ldmatrix reads fall in distinct banks
+
+// Positions per split for a context of `len` tokens: whole rounds of the block's warp tiles, at
+// most `max_splits` splits.
+__device__ __forceinline__ int attention_split_len(int len, int max_splits) {
+    constexpr int ROUND = DECODE_TILE * DECODE_WARPS;
+    const int per = (len + max_splits - 1) / max_splits;
+    return (per + ROUND - 1) / ROUND * ROUND;
+}
+
+// Copies cache rows first .. first + DECODE_TILE - 1 of one KV head (`cache` points to the head's
+// first row, rows `row_stride` apart, hd values each) into a warp's shared tile (rows of
+// D + DECODE_ROW_PAD bf16): rows at positions in [lo, hi), and, with `zero_rest`, zeros for rows
+// at or past `end` and columns past hd (never read from the cache: such rows may lie past its end).
+template <int D>
+__device__ __forceinline__ void decode_stage_rows(uint32_t tile, const bf16* cache, size_t row_stride, int hd,
+                                                  int first, int lo, int hi, int end, bool zero_rest, int lane) {
+    constexpr int CHUNKS = D / 8;  // 16-byte pieces per row
+#pragma unroll 4
+    for (int i = lane; i < DECODE_TILE * CHUNKS; i += 32) {
+        const int row = i / CHUNKS, chunk = i % CHUNKS, pos = first + row;
+        const bool empty = pos >= end || chunk * 8 >= hd;
+        if (empty ? zero_rest : pos >= lo && pos < hi)
+            cp_async_16(tile + (uint32_t)(row * (D + DECODE_ROW_PAD) + chunk * 8) * 2,
+                        empty ? cache : cache + (size_t)pos * row_stride + chunk * 8, !empty);
+    }
+}
+
+// Block (KV head * head tiles + head tile, split, token), DECODE_WARPS warps: token blockIdx.z
+// of a run at consecutive positions attends to positions [0, position[0] + token]; the block
+// takes the split's positions for query heads tile * DECODE_HEADS .. + DECODE_HEADS - 1 of the
+// KV head's group. Writes per (head, split): the running max, sum and unnormalised output.
+// Splits past the context exit at once. D: head_dim rounded up to an instantiated width.
+// Dynamic shared memory: per warp a key and a value tile of DECODE_TILE rows of D + DECODE_ROW_PAD
+// bf16 (reused for the warps' merge: DECODE_WARPS * DECODE_HEADS * D floats).
+template <int D>
+__device__ void attention_split_impl(const AttentionDims& d, const float* q, const bf16* k_cache, const bf16* v_cache,
+                                     const int* position, float* part_max, float* part_sum, float* part_out) {
+    static_assert(D % 16 == 0, "16-wide slices of a head");
+    constexpr int STRIDE = D + DECODE_ROW_PAD;                 // bf16 per shared row
+    constexpr uint32_t TILE_BYTES = DECODE_TILE * STRIDE * 2;  // one key or value tile
+    constexpr int SLICES = D / 16;
+    static_assert(DECODE_WARPS * DECODE_HEADS * D * 4 <= DECODE_WARPS * 2 * TILE_BYTES, "the merge fits the tiles");
+    extern __shared__ __align__(16) bf16 kv_tiles[];
+    __shared__ float merge_max[DECODE_WARPS][DECODE_HEADS], merge_sum[DECODE_WARPS][DECODE_HEADS];
+    const int group = d.heads / d.kv_heads, head_tiles = (group + DECODE_HEADS - 1) / DECODE_HEADS;
+    const int kvh = blockIdx.x / head_tiles, tile_head = blockIdx.x % head_tiles * DECODE_HEADS;
+    const int split = blockIdx.y, token = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int hd = d.head_dim;
+    // The position was set by an earlier step, the cache below it by earlier launches: this
+    // warp's first tile there is requested before waiting for attention_prepare (which appends
+    // this launch's tokens and writes q).
+    const int cached = position[0];
+    const int len = cached + token + 1;
+    q += (size_t)token * d.heads * hd;
+    part_max += (size_t)token * d.heads * d.splits;
+    part_sum += (size_t)token * d.heads * d.splits;
+    part_out += (size_t)token * d.heads * d.splits * hd;
+    const int per = attention_split_len(len, d.splits);
+    const int begin = split * per;
+    if (begin >= len) return;
+    const int end = min(len, begin + per);
+    const size_t row_stride = (size_t)d.kv_heads * hd;
+    const bf16* k_head = k_cache + (size_t)kvh * hd;
+    const bf16* v_head = v_cache + (size_t)kvh * hd;
+    const uint32_t k_tile = shared_address(kv_tiles) + warp * 2 * TILE_BYTES, v_tile = k_tile + TILE_BYTES;
+    int first = begin + DECODE_TILE * warp;
+    if (first < end) {
+        decode_stage_rows<D>(k_tile, k_head, row_stride, hd, first, 0, cached, end, true, lane);
+        decode_stage_rows<D>(v_tile, v_head, row_stride, hd, first, 0, cached, end, true, lane);
+    }
+    wait_for_previous_kernel();
+    if (first < end) {
+        decode_stage_rows<D>(k_tile, k_head, row_stride, hd, first, cached, len, end, false, lane);
+        decode_stage_rows<D>(v_tile, v_head, row_stride, hd, first, cached, len, end, false, lane);
+    }
+    cp_async_commit();
+
+    // Q^T fragments (k: head dims, n: heads): lane (g, c) holds head g's dims 2c, 2c + 1 and
+    // 2c + 8, 2c + 9 of each slice, scaled by 1/sqrt(head_dim); zeros past the group and hd.
+    const int head_in_group = tile_head + g;
+    const float* qh = q + ((size_t)kvh * group + head_in_group) * hd;
+    const float scale = rsqrtf((float)hd);
+    uint32_t qf[SLICES][2];
+#pragma unroll
+    for (int t = 0; t < SLICES; ++t) {
+        float2 lo = make_float2(0.0f, 0.0f), hi = lo;
+        if (head_in_group < group && 16 * t < hd) {
+            lo = *reinterpret_cast<const float2*>(qh + 16 * t + 2 * c);
+            hi = *reinterpret_cast<const float2*>(qh + 16 * t + 2 * c + 8);
+        }
+        qf[t][0] = pack_bf16(lo.x * scale, lo.y * scale);
+        qf[t][1] = pack_bf16(hi.x * scale, hi.y * scale);
+    }
+
+    // O^T accumulators: slice t, rows (dims) 16 t + g and + 8, columns (heads) 2c and 2c + 1.
+    float o[SLICES][4];
+#pragma unroll
+    for (int t = 0; t < SLICES; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+    // Heads 2c, 2c + 1: running max (the same in every lane of the column) and the sum over
+    // this lane's positions (summed over the column at the end).
+    float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
+    // ldmatrix row addresses: K's matrices are (positions 0-7 | 8-15) x (dims 0-7 | 8-15) of the
+    // slice in A order; V's, transposed, (dims 0-7 | 8-15) x (positions 0-7 | 8-15).
+    const int k_row = (lane & 7) + ((lane >> 3) & 1) * 8, k_col = (lane >> 4) * 8;
+    const int v_row = (lane & 7) + (lane >> 4) * 8, v_col = ((lane >> 3) & 1) * 8;
+    for (; first < end; first += DECODE_TILE * DECODE_WARPS) {
+        cp_async_wait_all();
+        __syncwarp();
+        // S^T: two accumulators halve the dependent chain of products.
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int t = 0; t < SLICES; ++t) {
+            uint32_t a[4];
+            ldmatrix_x4(a, k_tile + (uint32_t)(k_row * STRIDE + 16 * t + k_col) * 2);
+            mma_bf16_16816(s[t & 1], a, qf[t][0], qf[t][1]);
+        }
+        // Lane (g, c): positions g and g + 8 for heads 2c, 2c + 1; positions past the end masked.
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = first + g + (i >> 1) * 8 < end ? s[0][i] + s[1][i] : -INFINITY;
+        float m[2] = {fmaxf(v[0], v[2]), fmaxf(v[1], v[3])};
+#pragma unroll
+        for (int mask = 4; mask < 32; mask <<= 1) {
+            m[0] = fmaxf(m[0], __shfl_xor_sync(0xffffffffu, m[0], mask));
+            m[1] = fmaxf(m[1], __shfl_xor_sync(0xffffffffu, m[1], mask));
+        }
+        // The tile's first position is in range, so the new maxima are finite.
+        float correction[2], e[4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float new_max = fmaxf(run_max[h], m[h]);
+            correction[h] = __expf(run_max[h] - new_max);
+            run_max[h] = new_max;
+            e[h] = __expf(v[h] - new_max);
+            e[h + 2] = __expf(v[h + 2] - new_max);
+            run_sum[h] = run_sum[h] * correction[h] + e[h] + e[h + 2];
+        }
+#pragma unroll
+        for (int t = 0; t < SLICES; ++t) {
+            o[t][0] *= correction[0];
+            o[t][1] *= correction[1];
+            o[t][2] *= correction[0];
+            o[t][3] *= correction[1];
+        }
+        // P^T as the B operand (k: positions, n: heads): the transposes of P's two 8x8 blocks.
+        const uint32_t p0 = movmatrix_trans(pack_bf16(e[0], e[1]));
+        const uint32_t p1 = movmatrix_trans(pack_bf16(e[2], e[3]));
+#pragma unroll
+        for (int t = 0; t < SLICES; ++t) {
+            uint32_t a[4];
+            ldmatrix_x4_trans(a, v_tile + (uint32_t)(v_row * STRIDE + 16 * t + v_col) * 2);
+            mma_bf16_16816(o[t], a, p0, p1);
+        }
+        __syncwarp();
+        const int next = first + DECODE_TILE * DECODE_WARPS;
+        if (next < end) {
+            decode_stage_rows<D>(k_tile, k_head, row_stride, hd, next, 0, end, end, true, lane);
+            decode_stage_rows<D>(v_tile, v_head, row_stride, hd, next, 0, end, end, true, lane);
+        }
+        cp_async_commit();
+    }
+
+    // Merge the warps: each scales its sums and outputs to the block's maxima (a warp without
+    // positions has max -inf, sum 0 and contributes nothing).
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int mask = 4; mask < 32; mask <<= 1) run_sum[h] += __shfl_xor_sync(0xffffffffu, run_sum[h], mask);
+    if (g == 0) {
+        merge_max[warp][2 * c] = run_max[0];
+        merge_max[warp][2 * c + 1] = run_max[1];
+        merge_sum[warp][2 * c] = run_sum[0];
+        merge_sum[warp][2 * c + 1] = run_sum[1];
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    float* merged = reinterpret_cast<float*>(kv_tiles);  // [warp][head][D]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float block_max = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w) block_max = fmaxf(block_max, merge_max[w][2 * c + h]);
+        const float f = run_max[h] == -INFINITY ? 0.0f : __expf(run_max[h] - block_max);
+        float* row = merged + (size_t)(warp * DECODE_HEADS + 2 * c + h) * D;
+#pragma unroll
+        for (int t = 0; t < SLICES; ++t) {
+            row[16 * t + g] = o[t][h] * f;
+            row[16 * t + g + 8] = o[t][h + 2] * f;
+        }
+    }
+    __syncthreads();
+    const int heads = min(DECODE_HEADS, group - tile_head);
+    const int head0 = kvh * group + tile_head;
+    for (int i = threadIdx.x; i < heads * hd; i += blockDim.x) {
+        const int h = i / hd, dim = i % hd;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w) sum += merged[(size_t)(w * DECODE_HEADS + h) * D + dim];
+        part_out[((size_t)(head0 + h) * d.splits + split) * hd + dim] = sum;
+    }
+    if (threadIdx.x < heads) {
+        const int h = threadIdx.x;
+        float block_max = -INFINITY, sum = 0.0f;
+        for (int w = 0; w < DECODE_WARPS; ++w) block_max = fmaxf(block_max, merge_max[w][h]);
+        for (int w = 0; w < DECODE_WARPS; ++w)
+            if (merge_max[w][h] != -INFINITY) sum += merge_sum[w][h] * __expf(merge_max[w][h] - block_max);
+        const size_t slot = (size_t)(head0 + h) * d.splits + split;
+        part_max[slot] = block_max;
+        part_sum[slot] = sum;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split(AttentionDims d, const float* q,
+                                                                             const bf16* k_cache,
+                                                                             const bf16* v_cache,
+                                                                             const int* position, float* part_max,
+                                                                             float* part_sum, float* part_out) {
+    // head_dim: a multiple of 16 (whole slices), at most 256; the backend takes multiples of 32.
+    if (d.head_dim <= 32) attention_split_impl<32>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
+    else if (d.head_dim <= 64) attention_split_impl<64>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
+    else if (d.head_dim <= 128) attention_split_impl<128>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
+    else attention_split_impl<256>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
+}
+
+#define COMBINE_DIMS 64     // head dims per combine block
+#define COMBINE_PARTS 4     // thread groups splitting the splits
+#define COMBINE_MAX_SPLITS 1024
+
+// Merges the splits of each head and applies the output gate sigmoid(gate), for token
+// t = blockIdx.z at position position[0] + t. Launch: (heads, ceil(head_dim / COMBINE_DIMS),
+// tokens) blocks of COMBINE_DIMS * COMBINE_PARTS threads: thread (part, dim) sums the splits
+// s = part (mod COMBINE_PARTS) of its dim, then the parts add up in shared memory.
+extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) attention_combine(
+    AttentionDims d, const float* proj, const int* position, const float* part_max, const float* part_sum,
+    const float* part_out, float* out) {
+    wait_for_previous_kernel();
+    __shared__ float scratch[32];
+    __shared__ float split_weight[COMBINE_MAX_SPLITS];
+    __shared__ float partial[COMBINE_PARTS][COMBINE_DIMS];
+    const int head = blockIdx.x, hd = d.head_dim, t = blockIdx.z;
+    const int dim_in = threadIdx.x % COMBINE_DIMS, part = threadIdx.x / COMBINE_DIMS;
+    const int dim = blockIdx.y * COMBINE_DIMS + dim_in;
+    const int len = position[0] + t + 1;
+    const int per = attention_split_len(len, d.splits);
+    const int splits = (len + per - 1) / per;
+    proj += (size_t)t * attention_proj_width(d);
+    out += (size_t)t * d.heads * hd;
+    part_max += (size_t)t * d.heads * d.splits;
+    part_sum += (size_t)t * d.heads * d.splits;
+    part_out += (size_t)t * d.heads * d.splits * hd;
+    const float* pm = part_max + (size_t)head * d.splits;
+    const float* ps = part_sum + (size_t)head * d.splits;
+    float m = -INFINITY;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) m = fmaxf(m, pm[s]);
+    m = block_max(m, scratch);
+    float l = 0.0f;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float w = __expf(pm[s] - m);
+        split_weight[s] = w;
+        l += w * ps[s];
+    }
+    l = block_sum(l, scratch);
+    float acc = 0.0f;
+    if (dim < hd) {
+        const float* po = part_out + (size_t)head * d.splits * hd + dim;
+        // 8 loads in flight per thread: the splits' partial outputs come from L2 a batch per
+        // round trip.
+#pragma unroll 8
+        for (int s = part; s < splits; s += COMBINE_PARTS) acc += split_weight[s] * po[(size_t)s * hd];
+    }
+    partial[part][dim_in] = acc;
+    __syncthreads();
+    if (part == 0 && dim < hd) {
+        for (int p = 1; p < COMBINE_PARTS; ++p) acc += partial[p][dim_in];
+        const float gate = proj[(size_t)head * 2 * hd + hd + dim];
+        out[(size_t)head * hd + dim] = acc / l * sigmoid(gate);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill: causal flash attention on tensor cores.
+//
+// A block owns PREFILL_QUERY_TILE consecutive query tokens of one query head (4 warps, 16 rows
+// each) and walks the key positions 0 .. position of its last token, PREFILL_KEY_TILE at a time,
+// with an online softmax in f32. Scores S = Q K^T and the output O += P V are mma.sync m16n8k16
+// products (bf16 in, f32 accumulate); Q is rounded from f32 to bf16 once, K and V come from the
+// bf16 cache. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"), g = lane / 4,
+// c = lane % 4:
+//   A (16x16, row-major): reg 0 = (row g, cols 2c, 2c+1), reg 1 = (row g+8, same cols),
+//                         reg 2 = (row g, cols 2c+8, 2c+9), reg 3 = (row g+8, cols 2c+8, 2c+9);
+//   B (16x8, col-major):  reg 0 = (k 2c, 2c+1; n g), reg 1 = (k 2c+8, 2c+9; n g);
+//   C (16x8, f32):        c0, c1 = (row g, cols 2c, 2c+1), c2, c3 = (row g+8, same cols).
+// So a thread holds rows g and g+8 of its warp's 16 query rows throughout, and the S fragments
+// of two neighbouring 8-key tiles are, packed to bf16, the A fragment of P for those 16 keys.
+// Shared memory holds one tile each of Q, K and V ([64][head_dim + PREFILL_ROW_PAD] bf16): the
+// next key tile is copied (cp.async) while P V runs, the value tile while Q K^T runs.
+
+#define PREFILL_QUERY_TILE 64  // query tokens per block: 4 warps of 16 rows
+#define PREFILL_KEY_TILE 64    // key positions per step
+#define PREFILL_THREADS 128
+#define PREFILL_ROW_PAD 8  // bf16 after each shared row: the 8 rows one ldmatrix reads fall in distinct banks
 
 // Starts copying cache rows [first, first + PREFILL_KEY_TILE) of one KV head (`cache` points to
 // the head's first row, rows `row_stride` apart, `hd` values used of each) into the shared tile
