@@ -13,44 +13,65 @@
 // activations.
 
 #define MAX_TOP_K 32
+#define MAX_EXPERTS 1024
 
 struct MoeDims {
     int experts, top_k, intermediate, shared_intermediate, hidden;
     float eps;
 };
 
-// Picks the top_k experts from `logits` (in shared memory; consumed: chosen entries become
-// -inf; ties to the lower id) and their renormalised softmax weights, plus the shared expert's
-// gate; run by one warp, results in shared memory.
-__device__ void route(const MoeDims& d, float* logits, int* ids, float* weights) {
-    const int lane = threadIdx.x & 31;
-    const float shared_logit = logits[d.experts];
-    float chosen_max = -INFINITY;
-    float total = 0.0f;
-    for (int s = 0; s < d.top_k; ++s) {
-        float best = -INFINITY;
-        int best_id = 0x7fffffff;
-        for (int e = lane; e < d.experts; e += 32) {
-            const float v = logits[e];
-            if (v > best) { best = v; best_id = e; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
-            if (ov > best || (ov == best && oi < best_id)) { best = ov; best_id = oi; }
-        }
-        if (s == 0) chosen_max = best;
-        const float w = __expf(best - chosen_max);
-        total += w;
-        if (lane == 0) { ids[s] = best_id; weights[s] = w; logits[best_id] = -INFINITY; }
-        __syncwarp();
+// A sort key for (logit, expert): larger logits give larger keys, ties go to the lower id, and
+// every valid key is above 0 (so 0 pads).
+__device__ __forceinline__ unsigned long long route_key(float v, int e) {
+    const uint32_t u = __float_as_uint(v);
+    const uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)ordered << 32) | (0xffffffffu - (uint32_t)e);
+}
+
+// Picks the top_k experts from `logits` (in shared memory, left as they are; entry `experts` is
+// the shared expert's gate) and their renormalised softmax weights, plus the shared expert's
+// gate, into shared memory; `keys` is shared scratch of 2 * MAX_EXPERTS entries. Called by every
+// thread of the block (whole warps); ends synchronised. Ranks instead of top_k rounds of argmax:
+// each run of 32 experts keeps its own top min(top_k, 32) (a key's rank among the run's 32), then
+// those candidates are ranked among themselves, and rank r is slot r.
+__device__ void route(const MoeDims& d, const float* logits, unsigned long long* keys, int* ids, float* weights) {
+    const int runs = (d.experts + 31) / 32, kept = min(d.top_k, 32);
+    unsigned long long* candidates = keys + MAX_EXPERTS;
+    for (int e = threadIdx.x; e < runs * 32; e += blockDim.x) keys[e] = e < d.experts ? route_key(logits[e], e) : 0;
+    __syncthreads();
+    for (int e = threadIdx.x; e < runs * 32; e += blockDim.x) {
+        const unsigned long long key = keys[e];
+        const unsigned long long* run = keys + (e & ~31);
+        int r = 0;
+#pragma unroll 8
+        for (int j = 0; j < 32; ++j) r += run[j] > key;
+        // Padding keys (0) of a short last run share a rank and write the same value.
+        if (r < kept) candidates[(e >> 5) * kept + r] = key;
     }
-    if (lane == 0) {
-        for (int s = 0; s < d.top_k; ++s) weights[s] /= total;
-        ids[d.top_k] = -1;
-        weights[d.top_k] = sigmoid(shared_logit);
+    __syncthreads();
+    const int count = runs * kept;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        const unsigned long long key = candidates[i];
+        int r = 0;
+#pragma unroll 8
+        for (int j = 0; j < count; ++j) r += candidates[j] > key;
+        // The config has at least top_k experts, so ranks below top_k are real, distinct keys.
+        if (r < d.top_k) ids[r] = (int)(0xffffffffu - (uint32_t)key);
     }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const float v = lane < d.top_k ? logits[ids[lane]] : -INFINITY;
+        const float top = warp_max(v);
+        const float w = lane < d.top_k ? __expf(v - top) : 0.0f;
+        const float total = warp_sum(w);
+        if (lane < d.top_k) weights[lane] = w / total;
+        if (lane == 0) {
+            ids[d.top_k] = -1;
+            weights[d.top_k] = sigmoid(logits[d.experts]);
+        }
+    }
+    __syncthreads();
 }
 
 // Several tokens at once: blockIdx.z is the token; its rows of the residual stream, router
@@ -62,7 +83,6 @@ __device__ __forceinline__ int act_width(const MoeDims& d) {
 #define GATE_UP_ROWS_PER_WARP 2
 #define DOWN_ROWS_PER_WARP 1
 #define DOWN_PASS 4
-#define MAX_EXPERTS 1024
 
 // Rows first..first+GATE_UP_ROWS_PER_WARP-1 (of `rows`, from `base` in the stacked weights) of
 // silu(g x) * (u x), x staged in xs with products to be multiplied by x_scale (see stage);
@@ -152,28 +172,32 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
 // The routed gate/up rows of this block: x = RMSNorm(residual) staged first (the residual was
 // written two launches back), then the routing from the router logits of the previous kernel,
 // then the expert's rows.
+// The routing a moe_gate_up block computes, in shared memory (one copy for every weight width).
+struct Routing {
+    float logits[MAX_EXPERTS + 1];
+    unsigned long long keys[2 * MAX_EXPERTS];
+    int ids[MAX_TOP_K + 1];
+    float weights[MAX_TOP_K + 1];
+};
+
 template <int BITS>
 __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
                                      const float* norm_scale, const float* router_logits, float* xs, float* scratch,
-                                     float* act, int* ids_out, float* weights_out) {
-    __shared__ float logits[MAX_EXPERTS + 1];
-    __shared__ int ids[MAX_TOP_K + 1];
-    __shared__ float weights[MAX_TOP_K + 1];
+                                     Routing& r, float* act, int* ids_out, float* weights_out) {
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
     const float x_scale = stage<BITS>(src, norm_scale, d.eps, xs, scratch);
     wait_for_previous_kernel();
-    for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) logits[e] = router_logits[e];
+    for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) r.logits[e] = router_logits[e];
     __syncthreads();
-    if (threadIdx.x >= blockDim.x - 32) route(d, logits, ids, weights);
-    __syncthreads();
+    route(d, r.logits, r.keys, r.ids, r.weights);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x <= d.top_k) {
-        ids_out[threadIdx.x] = ids[threadIdx.x];
-        weights_out[threadIdx.x] = weights[threadIdx.x];
+        ids_out[threadIdx.x] = r.ids[threadIdx.x];
+        weights_out[threadIdx.x] = r.weights[threadIdx.x];
     }
     const int slot = blockIdx.y;
     const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
     Pass<2 * GATE_UP_ROWS_PER_WARP, 2> pass;
-    gate_up_rows<BITS>(g, u, ids[slot] * d.intermediate, d.intermediate, first, xs, x_scale, false, pass,
+    gate_up_rows<BITS>(g, u, r.ids[slot] * d.intermediate, d.intermediate, first, xs, x_scale, false, pass,
                        act + (size_t)slot * max(d.intermediate, d.shared_intermediate));
 }
 
@@ -186,6 +210,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weig
                                                               const float* norm_scale, const float* router_logits,
                                                               float* act, int* ids_out, float* weights_out) {
     extern __shared__ __align__(16) float smem[];
+    __shared__ Routing r;
     const size_t token = blockIdx.z;
     residual += token * d.hidden;
     router_logits += token * (d.experts + 1);
@@ -194,9 +219,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weig
     weights_out += token * (d.top_k + 1);
     float* xs = smem + 64;
     switch (gate.bits) {
-        case 4: routed_gate_up_block<4>(d, gate, up, residual, norm_scale, router_logits, xs, smem, act, ids_out, weights_out); break;
-        case 8: routed_gate_up_block<8>(d, gate, up, residual, norm_scale, router_logits, xs, smem, act, ids_out, weights_out); break;
-        default: routed_gate_up_block<16>(d, gate, up, residual, norm_scale, router_logits, xs, smem, act, ids_out, weights_out); break;
+        case 4: routed_gate_up_block<4>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out); break;
+        case 8: routed_gate_up_block<8>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out); break;
+        default: routed_gate_up_block<16>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out); break;
     }
 }
 
@@ -337,6 +362,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
 extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const float* router_logits, int splits,
                                                           size_t split_stride, int* ids, float* weights) {
     __shared__ float logits[MAX_EXPERTS + 1];
+    __shared__ unsigned long long keys[2 * MAX_EXPERTS];
     __shared__ int chosen[MAX_TOP_K + 1];
     __shared__ float chosen_weights[MAX_TOP_K + 1];
     wait_for_previous_kernel();
@@ -347,8 +373,7 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const floa
         logits[e] = sum;
     }
     __syncwarp();
-    route(d, logits, chosen, chosen_weights);
-    __syncwarp();
+    route(d, logits, keys, chosen, chosen_weights);
     for (int i = threadIdx.x; i <= d.top_k; i += blockDim.x) {
         ids[t * (d.top_k + 1) + i] = chosen[i];
         weights[t * (d.top_k + 1) + i] = chosen_weights[i];
