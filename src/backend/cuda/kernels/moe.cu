@@ -251,19 +251,19 @@ __device__ __forceinline__ void down_pass(const MoeDims& d, const Weight& w, con
     }
 }
 
+// `pass` holds the first pass (requested before the activations were staged).
 template <int BITS>
 __device__ void down_routed(const MoeDims& d, const Weight& w, const int* ids, const float* xs, int r0,
-                            float (&out)[DOWN_ROWS_PER_WARP]) {
+                            Pass<DOWN_ROWS_PER_WARP, DOWN_PASS>& pass, float (&out)[DOWN_ROWS_PER_WARP]) {
     const int lane = threadIdx.x & 31;
     const StagedX sx = staged_x<BITS>(xs, d.intermediate * d.top_k);
     RowRef rows[DOWN_ROWS_PER_WARP];
 #pragma unroll
     for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) rows[i].data = reinterpret_cast<const uint4*>(w.data);
-    Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> pass;
     RowSums<DOWN_ROWS_PER_WARP> acc;
     acc.clear();
     for (int base = 0; base < sx.chunks; base += 32 * DOWN_PASS) {
-        down_pass<BITS>(d, w, ids, r0, base, lane, pass);
+        if (base > 0) down_pass<BITS>(d, w, ids, r0, base, lane, pass);
         use_pass<BITS, DOWN_ROWS_PER_WARP, DOWN_PASS>(rows, sx, base, lane, pass, acc);
     }
 #pragma unroll
@@ -302,7 +302,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual) {
     extern __shared__ __align__(16) float smem[];
-    __shared__ int ids[MAX_TOP_K + 1];
     const size_t token = blockIdx.z;
     act += token * act_width(d);
     ids_in += token * (d.top_k + 1);
@@ -322,13 +321,19 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
     for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
         prior[i] = (threadIdx.x & 31) == 0 && r0 + i < d.hidden ? residual[r0 + i] : 0.0f;
     wait_for_previous_kernel();
-    if (threadIdx.x <= d.top_k) ids[threadIdx.x] = ids_in[threadIdx.x];
+    // The routed rows' first pass goes out as soon as the routing is known (read from L2 by each
+    // lane), while the activations are staged.
+    Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> routed_pass;
+    switch (down.bits) {
+        case 4: down_pass<4>(d, down, ids_in, r0, 0, threadIdx.x & 31, routed_pass); break;
+        case 8: down_pass<8>(d, down, ids_in, r0, 0, threadIdx.x & 31, routed_pass); break;
+        default: down_pass<16>(d, down, ids_in, r0, 0, threadIdx.x & 31, routed_pass); break;
+    }
     const int stride = max(d.intermediate, d.shared_intermediate);
     float* routed_xs = smem + 64;
     float* shared_xs = routed_xs + staged_floats(d.intermediate * d.top_k);
     const StageSource routed = {act, stride, d.intermediate, d.top_k, weights_in};
     const StageSource shared = {act + (size_t)d.top_k * stride, 0, d.shared_intermediate, 1, weights_in + d.top_k};
-    // stage() ends with a barrier, which also publishes ids.
     switch (down.bits) {
         case 4: stage<4>(routed, nullptr, 0.0f, routed_xs, smem); break;
         case 8: stage<8>(routed, nullptr, 0.0f, routed_xs, smem); break;
@@ -341,9 +346,9 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
     }
     float out[DOWN_ROWS_PER_WARP] = {};
     switch (down.bits) {
-        case 4: down_routed<4>(d, down, ids, routed_xs, r0, out); break;
-        case 8: down_routed<8>(d, down, ids, routed_xs, r0, out); break;
-        default: down_routed<16>(d, down, ids, routed_xs, r0, out); break;
+        case 4: down_routed<4>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
+        case 8: down_routed<8>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
+        default: down_routed<16>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
     }
     switch (shared_down.bits) {
         case 4: down_shared<4>(shared_down, shared_xs, r0, shared_pass, out); break;
