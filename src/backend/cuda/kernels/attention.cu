@@ -1,7 +1,7 @@
-// Gated full attention, decode: q/k RMSNorm and partial RoPE with the KV-cache append, then
-// attention split over the context (flash-decoding: each block covers a slice of positions for
-// all query heads of one KV head, with an online softmax), then a combine that applies the
-// output gate.
+// Gated full attention. Decode: q/k RMSNorm and partial RoPE with the KV-cache append, then
+// attention split over the context on tensor cores (flash-decoding: each block covers a slice of
+// positions for up to 8 query heads of one KV head, with an online softmax), then a combine that
+// applies the output gate. Prefill: causal flash attention on tensor cores over a chunk's tokens.
 
 
 struct AttentionDims {
