@@ -6,7 +6,7 @@
 
 use std::sync::Mutex;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaStream};
 
@@ -159,6 +159,18 @@ impl CudaBackend {
         state: &mut CudaState,
         reps: usize,
     ) -> Result<(Vec<KernelShare>, f64)> {
+        ensure!(
+            reps > 0,
+            "the critical path needs at least one replay per step"
+        );
+        ensure!(
+            state.position + reps < self.max_context,
+            "timing the critical path advances the sequence {} positions past {}, beyond the \
+             context limit of {}",
+            reps + 1,
+            state.position,
+            self.max_context
+        );
         let slots = self
             .slots
             .lock()
@@ -186,34 +198,89 @@ impl CudaBackend {
         };
         let result = (|| {
             let (full, names) = replay(usize::MAX)?;
-            let mut shares: Vec<KernelShare> = Vec::new();
-            let mut before = 0.0;
-            for (i, &name) in names.iter().enumerate() {
-                let now = if i + 1 == names.len() {
-                    full
-                } else {
-                    replay(i + 1)?.0
-                };
-                let share = match shares.iter_mut().find(|s| s.name == name) {
-                    Some(share) => share,
-                    None => {
-                        shares.push(KernelShare {
-                            name,
-                            launches: 0,
-                            critical_us: 0.0,
-                        });
-                        shares.last_mut().context("a share was just added")?
-                    }
-                };
-                share.launches += 1;
-                share.critical_us += now - before;
-                before = now;
+            let mut cumulative = Vec::with_capacity(names.len());
+            for limit in 1..names.len() {
+                cumulative.push(replay(limit)?.0);
             }
-            Ok((shares, full))
+            cumulative.push(full);
+            Ok((kernel_shares(&names, &cumulative), full))
         })();
         self.prefix.end()?;
         state.position += reps + 1;
         state.device_token = None;
         result
+    }
+}
+
+/// Each kernel's share, in order of first launch, from the launches' names and the replayed
+/// step's time (us) when truncated after each of them.
+fn kernel_shares(names: &[&'static str], cumulative_us: &[f64]) -> Vec<KernelShare> {
+    let mut shares: Vec<KernelShare> = Vec::new();
+    let mut before = 0.0;
+    for (&name, &now) in names.iter().zip(cumulative_us) {
+        let at = match shares.iter().position(|s| s.name == name) {
+            Some(at) => at,
+            None => {
+                shares.push(KernelShare {
+                    name,
+                    launches: 0,
+                    critical_us: 0.0,
+                });
+                shares.len() - 1
+            }
+        };
+        shares[at].launches += 1;
+        shares[at].critical_us += now - before;
+        before = now;
+    }
+    shares
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_recording_keeps_the_launches_within_its_limit_and_names_them_all() {
+        let prefix = LaunchPrefix::default();
+        assert!(
+            prefix.admit("outside").unwrap(),
+            "no recording: every launch runs"
+        );
+        prefix.begin(2).unwrap();
+        let admitted: Vec<bool> = ["a", "b", "c"]
+            .iter()
+            .map(|n| prefix.admit(n).unwrap())
+            .collect();
+        assert_eq!(admitted, [true, true, false]);
+        assert_eq!(prefix.end().unwrap(), ["a", "b", "c"]);
+        assert!(prefix.admit("after").unwrap());
+        assert!(
+            prefix.end().unwrap().is_empty(),
+            "launches outside a recording are not named"
+        );
+    }
+
+    #[test]
+    fn shares_add_each_launch_growth_of_the_step_to_its_kernel() {
+        let names = ["embed", "matvec", "moe", "matvec", "argmax"];
+        let cumulative = [2.0, 7.0, 10.0, 16.0, 15.5];
+        let shares = kernel_shares(&names, &cumulative);
+        let got: Vec<(&str, usize, f64)> = shares
+            .iter()
+            .map(|s| (s.name, s.launches, s.critical_us))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("embed", 1, 2.0),
+                ("matvec", 2, 5.0 + 6.0),
+                ("moe", 1, 3.0),
+                ("argmax", 1, -0.5)
+            ]
+        );
+        // The shares add up to the full step.
+        let total: f64 = shares.iter().map(|s| s.critical_us).sum();
+        assert_eq!(total, 15.5);
     }
 }
