@@ -12,18 +12,20 @@
 #   cargo build --release --features cuda --target-dir target/cuda
 #   cargo test --release --features cuda --target-dir target/cuda --test cuda --no-run
 #   scripts/stage_gpu_binaries.sh        # copies both, stripped, into target/gpu/
-# then: scripts/gpu_check.sh [LOG_DIR]
+# then: scripts/gpu_check.sh [LOG_DIR]   (LILY_STEP_TIMEOUT: seconds per step, 600 by default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log="${1:-/tmp/lily-gpu-check}"
 mkdir -p "$log"
 lily=target/gpu/lily
 status=0
+# Each step under a time limit: a hung kernel fails its step instead of holding the GPU machine.
+limit="${LILY_STEP_TIMEOUT:-600}"
 step() {
     local name="$1"
     shift
     echo "== $name: $*"
-    if "$@" >"$log/$name.log" 2>&1; then
+    if timeout "$limit" "$@" >"$log/$name.log" 2>&1; then
         echo "ok     $name"
     else
         echo "FAILED $name (see $log/$name.log)"
