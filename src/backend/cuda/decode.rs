@@ -11,8 +11,8 @@ use super::{
     ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
     AttentionBuffers, AttentionDims, AttentionSplits, COMBINE_DIMS, COMBINE_PARTS, CudaBackend,
     DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape, GATE_UP_ROWS_PER_WARP,
-    MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot, StepEnd, arg, cfg,
-    moe_down_smem, staged_bytes,
+    MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot, StepEnd, arg,
+    attention_tile_row, cfg, moe_down_smem, staged_bytes,
 };
 
 impl CudaBackend {
@@ -479,14 +479,9 @@ impl CudaBackend {
 }
 
 /// Dynamic shared memory of `attention_split`: per warp a key and a value tile of ATTENTION_TILE
-/// rows of head_dim rounded up to an instantiated width (32, 64, 128 or 256; construction checks
-/// that head_dim is at most 256) plus 8 bf16 of padding.
+/// rows (`attention_tile_row` bf16 each).
 pub(super) fn attention_split_smem(head_dim: usize) -> u32 {
-    let width = [32, 64, 128, 256]
-        .into_iter()
-        .find(|&w| head_dim <= w)
-        .unwrap_or(256);
-    (ATTENTION_WARPS * 2 * ATTENTION_TILE * (width + 8) * 2) as u32
+    (ATTENTION_WARPS * 2 * ATTENTION_TILE * attention_tile_row(head_dim) * 2) as u32
 }
 
 #[cfg(test)]

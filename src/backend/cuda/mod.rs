@@ -275,6 +275,18 @@ struct MoeBuffers {
     weights: u64,
 }
 
+/// bf16 per shared-memory row of the attention kernels' key/value (and query) tiles: head_dim
+/// rounded up to the width they are instantiated for (32, 64, 128 or 256; construction checks
+/// that head_dim is at most 256), then 8 of padding (DECODE_ROW_PAD, PREFILL_ROW_PAD), so that
+/// the 8 rows one ldmatrix reads fall in distinct banks.
+fn attention_tile_row(head_dim: usize) -> usize {
+    let width = [32, 64, 128, 256]
+        .into_iter()
+        .find(|&w| head_dim <= w)
+        .unwrap_or(256);
+    width + 8
+}
+
 /// Dynamic shared memory of `moe_down`: the routed activations staged one after another, then
 /// the shared expert's.
 fn moe_down_smem(c: &ModelConfig) -> u32 {

@@ -22,7 +22,7 @@ use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
     AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
-    DeltaNetShape, arg, cfg,
+    DeltaNetShape, arg, attention_tile_row, cfg,
 };
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
@@ -451,14 +451,9 @@ impl CudaBackend {
 }
 
 /// Dynamic shared memory of `attention_prefill`: its query, key and value tiles in bf16, rows of
-/// head_dim rounded up to an instantiated width (32, 64, 128 or 256; construction checks that
-/// head_dim is at most 256) plus 8 values of padding.
+/// `attention_tile_row` values.
 fn attention_prefill_smem(head_dim: usize) -> u32 {
-    let width = [32, 64, 128, 256]
-        .into_iter()
-        .find(|&w| head_dim <= w)
-        .unwrap_or(256);
-    ((ATTENTION_QUERY_TILE + 2 * ATTENTION_KEY_TILE) * (width + 8) * 2) as u32
+    ((ATTENTION_QUERY_TILE + 2 * ATTENTION_KEY_TILE) * attention_tile_row(head_dim) * 2) as u32
 }
 
 #[cfg(test)]
