@@ -901,6 +901,18 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// One decode step for `slot`, ending as `end`, captured as a graph (not launched).
+    fn capture_step(&self, slot: &Slot, end: StepEnd) -> Result<CudaGraph> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let recorded = self.record_step(slot, end);
+        let captured = self.stream.end_capture(
+            CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+        )?;
+        recorded?;
+        captured.context("capturing the decode step produced no graph")
+    }
+
     /// Launches `kernel` on the stream with programmatic dependent launch: its blocks may start
     /// while the previous kernel finishes, and wait for it where common.cuh's
     /// `wait_for_previous_kernel` says (weight loads go out before that).
@@ -1003,15 +1015,7 @@ impl CudaBackend {
         }
         if self.use_graphs {
             if slot.graph(end).is_none() {
-                self.stream
-                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                let recorded = self.record_step(slot, end);
-                let captured = self.stream.end_capture(
-                    CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-                )?;
-                recorded?;
-                let captured = captured.context("capturing the decode step produced no graph")?;
-                *slot.graph(end) = Some(Graph(captured));
+                *slot.graph(end) = Some(Graph(self.capture_step(slot, end)?));
             }
             if let Some(graph) = slot.graph(end) {
                 graph.0.launch()?;

@@ -6,8 +6,8 @@
 
 use std::sync::Mutex;
 
-use anyhow::{Context, Result, ensure};
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use anyhow::{Result, ensure};
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
 
 use super::{CudaBackend, CudaState, StepEnd};
@@ -179,15 +179,9 @@ impl CudaBackend {
         // The step truncated after `limit` launches: microseconds per replay, launch names.
         let replay = |limit: usize| -> Result<(f64, Vec<&'static str>)> {
             self.prefix.begin(limit)?;
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let recorded = self.record_step(slot, StepEnd::Greedy);
+            let graph = self.capture_step(slot, StepEnd::Greedy);
             let names = self.prefix.end()?;
-            let captured = self.stream.end_capture(
-                CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-            )?;
-            recorded?;
-            let graph = captured.context("capturing a truncated decode step produced no graph")?;
+            let graph = graph?;
             graph.launch()?;
             let start = PartTimer::event(&self.stream)?;
             for _ in 0..reps {

@@ -169,9 +169,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
     }
 }
 
-// The routed gate/up rows of this block: x = RMSNorm(residual) staged first (the residual was
-// written two launches back), then the routing from the router logits of the previous kernel,
-// then the expert's rows.
 // The routing a moe_gate_up block computes, in shared memory (one copy for every weight width).
 struct Routing {
     float logits[MAX_EXPERTS + 1];
@@ -180,6 +177,9 @@ struct Routing {
     float weights[MAX_TOP_K + 1];
 };
 
+// The routed gate/up rows of this block: x = RMSNorm(residual) staged first (the residual was
+// written two launches back), then the routing from the router logits of the previous kernel,
+// then the expert's rows.
 template <int BITS>
 __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
                                      const float* norm_scale, const float* router_logits, float* xs, float* scratch,
