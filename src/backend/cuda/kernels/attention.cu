@@ -136,7 +136,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
 // most `max_splits` splits.
 __device__ __forceinline__ int attention_split_len(int len, int max_splits) {
     constexpr int ROUND = DECODE_TILE * DECODE_WARPS;
-    const int per = (len + max_splits - 1) / max_splits;
+    const int per = div_fast(len + max_splits - 1, max_splits);
     return (per + ROUND - 1) / ROUND * ROUND;
 }
 
@@ -175,8 +175,8 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     static_assert(DECODE_WARPS * DECODE_HEADS * D * 4 <= DECODE_WARPS * 2 * TILE_BYTES, "the merge fits the tiles");
     extern __shared__ __align__(16) bf16 kv_tiles[];
     __shared__ float merge_max[DECODE_WARPS][DECODE_HEADS], merge_sum[DECODE_WARPS][DECODE_HEADS];
-    const int group = d.heads / d.kv_heads, head_tiles = (group + DECODE_HEADS - 1) / DECODE_HEADS;
-    const int kvh = blockIdx.x / head_tiles, tile_head = blockIdx.x % head_tiles * DECODE_HEADS;
+    const int group = div_fast(d.heads, d.kv_heads), head_tiles = (group + DECODE_HEADS - 1) / DECODE_HEADS;
+    const int kvh = div_fast(blockIdx.x, head_tiles), tile_head = mod_fast(blockIdx.x, head_tiles) * DECODE_HEADS;
     const int split = blockIdx.y, token = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int hd = d.head_dim;
@@ -376,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) atten
     const int dim = blockIdx.y * COMBINE_DIMS + dim_in;
     const int len = position[0] + t + 1;
     const int per = attention_split_len(len, d.splits);
-    const int splits = (len + per - 1) / per;
+    const int splits = div_fast(len + per - 1, per);
     proj += (size_t)t * attention_proj_width(d);
     out += (size_t)t * d.heads * hd;
     part_max += (size_t)t * d.heads * d.splits;

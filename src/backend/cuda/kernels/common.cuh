@@ -80,5 +80,11 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
+// v / d and v % d for v >= 0, d > 0: by a shift and a mask where d is a power of two (every
+// shape of the real models), else by the division (~20 dependent instructions, which the
+// kernels' short critical paths feel).
+__device__ __forceinline__ int div_fast(int v, int d) { return (d & (d - 1)) == 0 ? v >> (__ffs(d) - 1) : v / d; }
+__device__ __forceinline__ int mod_fast(int v, int d) { return (d & (d - 1)) == 0 ? v & (d - 1) : v % d; }
+
 // Values held by one 16-byte load of a row.
 __device__ __forceinline__ int values_per_chunk(int bits) { return 128 / bits; }

@@ -51,21 +51,21 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
                                                               const int* position, int tokens, float* out) {
     extern __shared__ float smem[];
     __shared__ float partial_sq[8];  // per warp of group 0 (cols <= 256)
-    const int h = blockIdx.x / d.splits, part = blockIdx.x % d.splits;
-    const int ratio = d.value_heads / d.key_heads;
-    const int kh = h / ratio;
+    const int h = div_fast(blockIdx.x, d.splits), part = mod_fast(blockIdx.x, d.splits);
+    const int ratio = div_fast(d.value_heads, d.key_heads);
+    const int kh = div_fast(h, ratio);
     const int key_width = d.key_heads * d.key_dim;
     const int conv_dim = 2 * key_width + d.value_heads * d.value_dim;
     const int proj_width = deltanet_proj_width(d, conv_dim), out_width = d.value_heads * d.value_dim;
-    const int cols = d.value_dim / d.splits, col0 = part * cols;
+    const int cols = div_fast(d.value_dim, d.splits), col0 = part * cols;
 
     // Everything but the projections was written by earlier steps or is a weight: the
     // recurrent state, the conv history and the per-head parameters are requested before waiting
     // for the projections. Thread (c, grp) owns state rows grp, grp + groups, ... of column
     // col0 + c.
-    const int groups = blockDim.x / cols;
-    const int c = threadIdx.x % cols, grp = threadIdx.x / cols, dv = col0 + c;
-    const int rows = d.key_dim / groups;
+    const int groups = div_fast(blockDim.x, cols);
+    const int c = mod_fast(threadIdx.x, cols), grp = div_fast(threadIdx.x, cols), dv = col0 + c;
+    const int rows = div_fast(d.key_dim, groups);
     float* S = state + (size_t)h * d.key_dim * d.value_dim;
     float s[MAX_ROWS_PER_THREAD];
 #pragma unroll
@@ -102,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
             if (j < MAX_CONV_KERNEL - 1) {
                 const int p = pos0 - 1 - j;
                 const bool have = j < d.kernel - 1 && i < channels && p >= 0;
-                hist[r][j] = have ? conv_ring[(p % d.kernel) * conv_dim + ch] : 0.0f;
+                hist[r][j] = have ? conv_ring[mod_fast(p, d.kernel) * conv_dim + ch] : 0.0f;
             }
         }
     }
@@ -139,8 +139,8 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
                 v[i - 2 * nq] = x;
             }
             // q/k channels are read by every block of `ratio` value heads: the first one records them.
-            const bool owner = i >= 2 * nq || (h % ratio == 0 && part == 0);
-            if (tokens == 1 && owner) conv_ring[(pos0 % d.kernel) * conv_dim + ch] = cur;
+            const bool owner = i >= 2 * nq || (mod_fast(h, ratio) == 0 && part == 0);
+            if (tokens == 1 && owner) conv_ring[mod_fast(pos0, d.kernel) * conv_dim + ch] = cur;
         }
         qs = warp_sum(qs);
         ks = warp_sum(ks);

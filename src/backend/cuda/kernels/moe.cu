@@ -236,7 +236,7 @@ __device__ __forceinline__ void down_pass(const MoeDims& d, const Weight& w, con
 #pragma unroll
     for (int j = 0; j < DOWN_PASS; ++j) {
         const int v = base + j * 32 + lane;
-        const int e = v / cps, c = v - e * cps;
+        const int e = div_fast(v, cps), c = v - e * cps;
 #pragma unroll
         for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) {
             const bool valid = v < total && r0 + i < d.hidden;

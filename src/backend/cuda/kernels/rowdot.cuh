@@ -95,7 +95,7 @@ __device__ __forceinline__ float2 block_sum_max(float2 v, float* scratch) {
 // norm_scale and the piece's multiplier; their squares (before either) are added to ss.
 __device__ __forceinline__ void source_eight(const StageSource& src, const float* norm_scale, int i, float (&e)[8],
                                              float& ss) {
-    const int p = i / src.seg_cols, o = i - p * src.seg_cols;
+    const int p = src.segments == 1 ? 0 : div_fast(i, src.seg_cols), o = i - p * src.seg_cols;
     const float4* x4 = reinterpret_cast<const float4*>(src.x + (size_t)p * src.seg_stride + o);
     const float m = src.mult != nullptr ? src.mult[p] : 1.0f;
     const float4 a = x4[0], b = x4[1];
@@ -225,7 +225,8 @@ __device__ __forceinline__ RowRef row_ref(const Weight& w, int row) {
         r.scales = r.biases = nullptr;
         return r;
     }
-    const int chunks = w.cols / values_per_chunk(w.bits);
+    // cols * bits / 128: a division by the run-time width would cost ~20 instructions per row.
+    const int chunks = (w.cols * w.bits) >> 7;
     r.data = reinterpret_cast<const uint4*>(static_cast<const char*>(w.data) + (size_t)row * chunks * 16);
     const size_t groups = w.bits == 16 ? 0 : (size_t)(w.cols >> w.group_shift);
     r.scales = w.scales + row * groups;
