@@ -76,9 +76,11 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
+// With the approximate reciprocal (2 ulp): an IEEE division is a dozen instructions, and these sit
+// on the decode kernels' short critical paths. A denominator overflowing to infinity gives 0.
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : __logf(1.0f + __expf(x)); }
 
 // v / d and v % d for v >= 0, d > 0: by a shift and a mask where d is a power of two (every
 // shape of the real models), else by the division (~20 dependent instructions, which the

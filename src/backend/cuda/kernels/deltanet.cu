@@ -12,6 +12,7 @@
 
 #define MAX_ROWS_PER_THREAD 16
 #define MAX_CONV_KERNEL 4
+#define MAX_SPLITS 4  // blocks per head (DeltaNetShape on the host)
 
 struct DeltaNetDims {
     int key_heads, value_heads, key_dim, value_dim, kernel, splits;
@@ -23,12 +24,11 @@ __device__ __forceinline__ void cluster_barrier() {
 }
 
 // The float at `local` (a shared-memory variable of this block) in block `rank` of the cluster.
-__device__ __forceinline__ float cluster_load(const float* local, uint32_t rank) {
+// Stores v at `local` (a shared-memory variable of this block) in block `rank` of the cluster.
+__device__ __forceinline__ void cluster_store(float* local, uint32_t rank, float v) {
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
 }
 
 // Floats of one token's projection: [conv_dim (q|k|v) | z (value_heads*value_dim) |
@@ -50,7 +50,11 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
                                                               const float* dt_bias, const float* norm_w, float* state,
                                                               const int* position, int tokens, float* out) {
     extern __shared__ float smem[];
-    __shared__ float partial_sq[8];  // per warp of group 0 (cols <= 256)
+    // Sums of squares of the head's output, per token parity, block of the cluster and warp of
+    // group 0 (cols <= 256, splits <= MAX_SPLITS): every block pushes its own to all.
+    __shared__ float partial_sq[2][MAX_SPLITS][8];
+    // Distributed shared memory may be written only once every block of the cluster runs.
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     const int h = div_fast(blockIdx.x, d.splits), part = mod_fast(blockIdx.x, d.splits);
     const int ratio = div_fast(d.value_heads, d.key_heads);
     const int kh = div_fast(h, ratio);
@@ -107,6 +111,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
         }
     }
     wait_for_previous_kernel();
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 
     for (int t = 0; t < tokens; ++t) {
         const float* row = proj + (size_t)t * proj_width;
@@ -195,16 +200,19 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
 
         // Gated RMSNorm over the head's value_dim columns: norm(o) * w * silu(z); the cluster's
         // blocks each hold `cols` of them, group 0 (the first `cols` threads) one each.
+        // One cluster barrier per token: the partials are pushed (so no block reads another's
+        // shared memory after it), and alternate buffers by token parity (a block can be at
+        // most one token ahead of another: it passes token t's barrier only once every block
+        // has finished token t - 1).
+        float (*sums)[8] = partial_sq[t & 1];
         if (warp < (cols + 31) / 32) {
             const float sq = warp_sum(grp == 0 ? o * o : 0.0f);
-            if (lane == 0) partial_sq[warp] = sq;
+            if (lane < d.splits) cluster_store(&sums[part][warp], lane, sq);
         }
         cluster_barrier();
         float total = 0.0f;
         for (int r = 0; r < d.splits; ++r)
-            for (int w = 0; w < (cols + 31) / 32; ++w) total += cluster_load(&partial_sq[w], r);
-        // No block may go on (overwriting its partial, or leaving) while another still reads it.
-        cluster_barrier();
+            for (int w = 0; w < (cols + 31) / 32; ++w) total += sums[r][w];
         if (grp == 0) {
             const float inv = rsqrtf(total / d.value_dim + d.eps);
             out[(size_t)t * out_width + h * d.value_dim + dv] = o * inv * norm_scale * silu(z);
