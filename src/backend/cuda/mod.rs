@@ -85,7 +85,7 @@ struct DeltaNetDims {
 /// How `deltanet_step` spreads a head's [key_dim, value_dim] state: a cluster of `splits` blocks
 /// owning value_dim / splits columns each, `threads` threads per block that each own a slice of
 /// one column's rows (at most 16, the kernel's MAX_ROWS_PER_THREAD); conv kernels of at most 4
-/// taps (MAX_CONV_KERNEL).
+/// taps (MAX_CONV_KERNEL); at most 4 blocks per head (MAX_SPLITS).
 struct DeltaNetShape {
     splits: usize,
     threads: usize,

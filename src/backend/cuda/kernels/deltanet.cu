@@ -23,7 +23,6 @@ __device__ __forceinline__ void cluster_barrier() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// The float at `local` (a shared-memory variable of this block) in block `rank` of the cluster.
 // Stores v at `local` (a shared-memory variable of this block) in block `rank` of the cluster.
 __device__ __forceinline__ void cluster_store(float* local, uint32_t rank, float v) {
     uint32_t remote;
