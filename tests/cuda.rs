@@ -413,6 +413,23 @@ fn deltanet_heads_outside_the_chunkwise_kernels_match_the_cpu() {
     prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::All, 4, label);
 }
 
+/// Routing on the GPU when the last run of 32 experts holds fewer experts than top_k (36 experts,
+/// top-8: the second run has 4): a 60-token prompt's logits at every position, then greedy
+/// decode, against the CPU on random weights of that shape.
+#[test]
+fn routing_with_a_short_last_run_of_experts_matches_the_cpu() {
+    let mut config = demo_config_json();
+    config["num_experts"] = 36.into();
+    config["num_experts_per_tok"] = 8.into();
+    let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
+    let model = Arc::new(random_model(config).unwrap());
+    let gpu = cuda(&model, 1);
+    let vocab = model.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..60u32).map(|i| (i * 53 + 7) % vocab).collect();
+    let label = "36 experts, top-8";
+    prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::All, 4, label);
+}
+
 /// Decode attention (`attention_split` on tensor cores, then `attention_combine`) against an f64
 /// softmax over the same bf16 cache, at query groups that fill part of one block's 8 heads, all
 /// of them, and two blocks (the second partly), head dims 32 to 256, and contexts and split counts

@@ -21,23 +21,31 @@ struct MoeDims {
 };
 
 // A sort key for (logit, expert): larger logits give larger keys, ties go to the lower id, and
-// every valid key is above 0 (so 0 pads).
+// every valid key's upper half is above 0 (so padding_key(e) ranks below all of them).
 __device__ __forceinline__ unsigned long long route_key(float v, int e) {
     const uint32_t u = __float_as_uint(v);
     const uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
     return ((unsigned long long)ordered << 32) | (0xffffffffu - (uint32_t)e);
 }
 
-// Picks the top_k experts from `logits` (in shared memory, left as they are; entry `experts` is
-// the shared expert's gate) and their renormalised softmax weights, plus the shared expert's
-// gate, into shared memory; `keys` is shared scratch of 2 * MAX_EXPERTS entries. Called by every
-// thread of the block (whole warps); ends synchronised. Ranks instead of top_k rounds of argmax:
-// each run of 32 experts keeps its own top min(top_k, 32) (a key's rank among the run's 32), then
-// those candidates are ranked among themselves, and rank r is slot r.
-__device__ void route(const MoeDims& d, const float* logits, unsigned long long* keys, int* ids, float* weights) {
+// The key of slot e >= experts of a run of 32: below every expert's and distinct, so that each
+// padding slot of a short last run takes a rank of its own.
+__device__ __forceinline__ unsigned long long padding_key(int e) { return 0xffffffffu - (uint32_t)e; }
+
+// Picks the top_k experts from `logits` (global or shared memory; entry `experts`, the shared
+// expert's gate, is not read) into ids[0..top_k) and sets ids[top_k] = -1 (the shared expert);
+// `keys` is shared scratch of 2 * MAX_EXPERTS entries. Called by every thread of the block
+// (whole warps); ends synchronised. Ranks instead of top_k rounds of argmax: each run of 32
+// experts keeps its own top min(top_k, 32) (a key's rank among the run's 32), then those
+// candidates are ranked among themselves, and rank r is slot r. A candidate is ranked by `split`
+// consecutive threads (as many as the block has to spare, up to 8), each comparing it with every
+// split-th candidate: with 256 experts, top-8 and 256 threads, 16 comparisons per thread instead
+// of 64 (this sits on the critical path of every moe_gate_up block).
+__device__ void rank_experts(const MoeDims& d, const float* logits, unsigned long long* keys, int* ids) {
     const int runs = (d.experts + 31) / 32, kept = min(d.top_k, 32);
     unsigned long long* candidates = keys + MAX_EXPERTS;
-    for (int e = threadIdx.x; e < runs * 32; e += blockDim.x) keys[e] = e < d.experts ? route_key(logits[e], e) : 0;
+    for (int e = threadIdx.x; e < runs * 32; e += blockDim.x)
+        keys[e] = e < d.experts ? route_key(logits[e], e) : padding_key(e);
     __syncthreads();
     for (int e = threadIdx.x; e < runs * 32; e += blockDim.x) {
         const unsigned long long key = keys[e];
@@ -45,33 +53,42 @@ __device__ void route(const MoeDims& d, const float* logits, unsigned long long*
         int r = 0;
 #pragma unroll 8
         for (int j = 0; j < 32; ++j) r += run[j] > key;
-        // Padding keys (0) of a short last run share a rank and write the same value.
+        // Ranks are distinct (padding keys too), so every one of the run's `kept` slots is
+        // written, by real keys first.
         if (r < kept) candidates[(e >> 5) * kept + r] = key;
     }
     __syncthreads();
     const int count = runs * kept;
-    for (int i = threadIdx.x; i < count; i += blockDim.x) {
-        const unsigned long long key = candidates[i];
+    int shift = 0;
+    while (shift < 3 && (2 << shift) * count <= (int)blockDim.x) ++shift;
+    const int split = 1 << shift, part = threadIdx.x & (split - 1);
+    // A block-uniform trip count: the shuffles below need every lane.
+    for (int base = 0; base < count; base += (int)blockDim.x >> shift) {
+        const int i = base + (threadIdx.x >> shift);
+        const unsigned long long key = i < count ? candidates[i] : 0;
         int r = 0;
-#pragma unroll 8
-        for (int j = 0; j < count; ++j) r += candidates[j] > key;
+        // Every split-th candidate from `part`: the lanes of a candidate read neighbouring words
+        // (distinct banks), not runs 16 words apart (one bank).
+#pragma unroll 4
+        for (int j = part; j < count; j += split) r += candidates[j] > key;
+        for (int o = 1; o < split; o <<= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
         // The config has at least top_k experts, so ranks below top_k are real, distinct keys.
-        if (r < d.top_k) ids[r] = (int)(0xffffffffu - (uint32_t)key);
+        if (part == 0 && i < count && r < d.top_k) ids[r] = (int)(0xffffffffu - (uint32_t)key);
     }
+    if (threadIdx.x == 0) ids[d.top_k] = -1;
     __syncthreads();
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        const float v = lane < d.top_k ? logits[ids[lane]] : -INFINITY;
-        const float top = warp_max(v);
-        const float w = lane < d.top_k ? __expf(v - top) : 0.0f;
-        const float total = warp_sum(w);
-        if (lane < d.top_k) weights[lane] = w / total;
-        if (lane == 0) {
-            ids[d.top_k] = -1;
-            weights[d.top_k] = sigmoid(logits[d.experts]);
-        }
-    }
-    __syncthreads();
+}
+
+// The routing weights of the ranked experts (their softmax renormalised over the top_k) and the
+// shared expert's gate sigmoid(logits[experts]) into weights[0..top_k]; by one warp.
+__device__ void routing_weights(const MoeDims& d, const float* logits, const int* ids, float* weights) {
+    const int lane = threadIdx.x & 31;
+    const float v = lane < d.top_k ? logits[ids[lane]] : -INFINITY;
+    const float top = warp_max(v);
+    const float w = lane < d.top_k ? __expf(v - top) : 0.0f;
+    const float total = warp_sum(w);
+    if (lane < d.top_k) weights[lane] = w / total;
+    if (lane == 0) weights[d.top_k] = sigmoid(logits[d.experts]);
 }
 
 // Several tokens at once: blockIdx.z is the token; its rows of the residual stream, router
@@ -84,26 +101,38 @@ __device__ __forceinline__ int act_width(const MoeDims& d) {
 #define DOWN_ROWS_PER_WARP 1
 #define DOWN_PASS 4
 
-// Rows first..first+GATE_UP_ROWS_PER_WARP-1 (of `rows`, from `base` in the stacked weights) of
-// silu(g x) * (u x), x staged in xs with products to be multiplied by x_scale (see stage);
-// `pass` may already hold the first pass (prefetched).
-template <int BITS>
-__device__ void gate_up_rows(const Weight& g, const Weight& u, int base, int rows, int first, const float* xs,
-                             float x_scale, bool prefetched, Pass<2 * GATE_UP_ROWS_PER_WARP, 2>& pass, float* out) {
-    constexpr int R = 2 * GATE_UP_ROWS_PER_WARP;
-    const int lane = threadIdx.x & 31;
-    RowRef refs[R];
+typedef Pass<2 * GATE_UP_ROWS_PER_WARP, 2> GateUpPass;
+
+// The gate rows, then the up rows, of intermediates first .. first + GATE_UP_ROWS_PER_WARP - 1
+// (of `rows`, from `base` in the stacked weights); intermediates past `rows` get null rows.
+__device__ __forceinline__ void gate_up_refs(const Weight& g, const Weight& u, int base, int rows, int first,
+                                             RowRef (&refs)[2 * GATE_UP_ROWS_PER_WARP]) {
 #pragma unroll
     for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
         const int row = first + i < rows ? base + first + i : -1;
         refs[i] = row_ref(g, row);
         refs[GATE_UP_ROWS_PER_WARP + i] = row_ref(u, row);
     }
-    const StagedX sx = staged_x<BITS>(xs, g.cols);
-    if (!prefetched) load_pass<BITS, R, 2>(refs, 0, sx.chunks, g.group_shift, lane, pass);
+}
+
+// Requests the rows' first pass (nothing is waited for).
+template <int BITS>
+__device__ __forceinline__ void gate_up_load(const RowRef (&refs)[2 * GATE_UP_ROWS_PER_WARP], const Weight& g,
+                                             GateUpPass& pass) {
+    load_pass<BITS, 2 * GATE_UP_ROWS_PER_WARP, 2>(refs, 0, g.cols / values_per_chunk(BITS), g.group_shift,
+                                                  threadIdx.x & 31, pass);
+}
+
+// out[first + i] = silu(g x) * (u x) for the rows of refs, their first pass in `pass`, x staged
+// in xs with products to be multiplied by x_scale (see stage).
+template <int BITS>
+__device__ void gate_up_finish(const RowRef (&refs)[2 * GATE_UP_ROWS_PER_WARP], const Weight& g, int rows, int first,
+                               const float* xs, float x_scale, GateUpPass& pass, float* out) {
+    constexpr int R = 2 * GATE_UP_ROWS_PER_WARP;
+    const int lane = threadIdx.x & 31;
     RowSums<R> acc;
     acc.clear();
-    dot_rows<BITS, R, 2>(refs, sx, g.group_shift, lane, pass, acc);
+    dot_rows<BITS, R, 2>(refs, staged_x<BITS>(xs, g.cols), g.group_shift, lane, pass, acc);
 #pragma unroll
     for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
         const float gv = warp_sum(acc.total[i]) * x_scale;
@@ -112,34 +141,23 @@ __device__ void gate_up_rows(const Weight& g, const Weight& u, int base, int row
     }
 }
 
-// The first pass of the shared expert's rows, issued before the previous kernel finishes.
-template <int BITS>
-__device__ void gate_up_prefetch(const Weight& g, const Weight& u, int rows, int first,
-                                 Pass<2 * GATE_UP_ROWS_PER_WARP, 2>& pass) {
-    RowRef refs[2 * GATE_UP_ROWS_PER_WARP];
-#pragma unroll
-    for (int i = 0; i < GATE_UP_ROWS_PER_WARP; ++i) {
-        const int row = first + i < rows ? first + i : -1;
-        refs[i] = row_ref(g, row);
-        refs[GATE_UP_ROWS_PER_WARP + i] = row_ref(u, row);
-    }
-    load_pass<BITS, 2 * GATE_UP_ROWS_PER_WARP, 2>(refs, 0, g.cols / values_per_chunk(BITS), g.group_shift,
-                                                  threadIdx.x & 31, pass);
-}
-
 // The shared expert's gate/up rows of this block (moe_router_shared): weights requested, then
 // x = RMSNorm(residual) staged once the previous kernel has written the residual.
 template <int BITS>
 __device__ void shared_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
                                      const float* norm_scale, float* xs, float* scratch, float* act) {
     const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
-    Pass<2 * GATE_UP_ROWS_PER_WARP, 2> pass;
-    gate_up_prefetch<BITS>(g, u, d.shared_intermediate, first, pass);
+    RowRef refs[2 * GATE_UP_ROWS_PER_WARP];
+    GateUpPass pass;
+    gate_up_refs(g, u, 0, d.shared_intermediate, first, refs);
+    gate_up_load<BITS>(refs, g, pass);
     wait_for_previous_kernel();
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
     const float x_scale = stage<BITS>(src, norm_scale, d.eps, xs, scratch);
-    gate_up_rows<BITS>(g, u, 0, d.shared_intermediate, first, xs, x_scale, true, pass,
-                       act + (size_t)d.top_k * max(d.intermediate, d.shared_intermediate));
+    // Formed again rather than held through the staging: fewer registers live across it.
+    gate_up_refs(g, u, 0, d.shared_intermediate, first, refs);
+    gate_up_finish<BITS>(refs, g, d.shared_intermediate, first, xs, x_scale, pass,
+                         act + (size_t)d.top_k * max(d.intermediate, d.shared_intermediate));
 }
 
 // Everything of the MoE block that does not wait for the routing, in one launch: blocks with
@@ -171,15 +189,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
 
 // The routing a moe_gate_up block computes, in shared memory (one copy for every weight width).
 struct Routing {
-    float logits[MAX_EXPERTS + 1];
     unsigned long long keys[2 * MAX_EXPERTS];
     int ids[MAX_TOP_K + 1];
-    float weights[MAX_TOP_K + 1];
 };
 
 // The routed gate/up rows of this block: x = RMSNorm(residual) staged first (the residual was
 // written two launches back), then the routing from the router logits of the previous kernel,
-// then the expert's rows.
+// then the expert's rows. Block (0, 0) also writes the routing out, while its rows arrive.
 template <int BITS>
 __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
                                      const float* norm_scale, const float* router_logits, float* xs, float* scratch,
@@ -187,18 +203,19 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
     const float x_scale = stage<BITS>(src, norm_scale, d.eps, xs, scratch);
     wait_for_previous_kernel();
-    for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) r.logits[e] = router_logits[e];
-    __syncthreads();
-    route(d, r.logits, r.keys, r.ids, r.weights);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x <= d.top_k) {
-        ids_out[threadIdx.x] = r.ids[threadIdx.x];
-        weights_out[threadIdx.x] = r.weights[threadIdx.x];
-    }
+    rank_experts(d, router_logits, r.keys, r.ids);
     const int slot = blockIdx.y;
     const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
-    Pass<2 * GATE_UP_ROWS_PER_WARP, 2> pass;
-    gate_up_rows<BITS>(g, u, r.ids[slot] * d.intermediate, d.intermediate, first, xs, x_scale, false, pass,
-                       act + (size_t)slot * max(d.intermediate, d.shared_intermediate));
+    RowRef refs[2 * GATE_UP_ROWS_PER_WARP];
+    GateUpPass pass;
+    gate_up_refs(g, u, r.ids[slot] * d.intermediate, d.intermediate, first, refs);
+    gate_up_load<BITS>(refs, g, pass);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 32) {
+        routing_weights(d, router_logits, r.ids, weights_out);
+        if (threadIdx.x <= d.top_k) ids_out[threadIdx.x] = r.ids[threadIdx.x];
+    }
+    gate_up_finish<BITS>(refs, g, d.intermediate, first, xs, x_scale, pass,
+                         act + (size_t)slot * max(d.intermediate, d.shared_intermediate));
 }
 
 // act[slot] = silu(gate_e · x) * (up_e · x) for each routed slot's expert, x = RMSNorm(residual).
@@ -369,7 +386,6 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const floa
     __shared__ float logits[MAX_EXPERTS + 1];
     __shared__ unsigned long long keys[2 * MAX_EXPERTS];
     __shared__ int chosen[MAX_TOP_K + 1];
-    __shared__ float chosen_weights[MAX_TOP_K + 1];
     wait_for_previous_kernel();
     const size_t t = blockIdx.x;
     for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) {
@@ -378,11 +394,9 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const floa
         logits[e] = sum;
     }
     __syncwarp();
-    route(d, logits, keys, chosen, chosen_weights);
-    for (int i = threadIdx.x; i <= d.top_k; i += blockDim.x) {
-        ids[t * (d.top_k + 1) + i] = chosen[i];
-        weights[t * (d.top_k + 1) + i] = chosen_weights[i];
-    }
+    rank_experts(d, logits, keys, chosen);
+    routing_weights(d, logits, chosen, weights + t * (d.top_k + 1));
+    for (int i = threadIdx.x; i <= d.top_k; i += blockDim.x) ids[t * (d.top_k + 1) + i] = chosen[i];
 }
 
 // Prefill: sorts the chunk's routed assignments (a = token * top_k + slot) by expert into
