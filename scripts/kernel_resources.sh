@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Registers, spills and static shared memory of every CUDA kernel, without a GPU: compiles the
+# kernels with NVRTC (`lily kernels --check`, into a fresh cache directory) and runs ptxas -v on
+# each module's PTX for sm_90a. Whether a kernel's blocks fit on an SM beside the previous
+# kernel's (and so request their data before it ends) follows from these numbers.
+#   scripts/kernel_resources.sh [PATTERN]   (PATTERN: a grep -E filter on kernel names)
+# Needs the CUDA build (cargo build --release --features cuda --target-dir target/cuda) and
+# installs NVRTC and ptxas from PyPI into .venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check nvidia-cuda-nvrtc==13.0.88 \
+    "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-nvcc==13.0.*"
+cuda_root="$(.venv/bin/python -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')"
+cache="$(mktemp -d)"
+trap 'rm -rf "$cache"' EXIT
+LILY_CACHE_DIR="$cache" LD_LIBRARY_PATH="$cuda_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    CUDA_INCLUDE_DIR="$cuda_root/include" target/cuda/release/lily kernels --check >/dev/null
+for ptx in "$cache"/*.ptx; do
+    "$cuda_root/bin/ptxas" -arch=sm_90a -v "$ptx" -o /dev/null 2>&1 |
+        awk '/Compiling entry function/ { name = $7; gsub(/\047/, "", name) }
+             /spill stores/ { spills = $5 }
+             /Used [0-9]+ registers/ {
+                 smem = match($0, /[0-9]+ bytes smem/) ? substr($0, RSTART, RLENGTH - 11) : 0
+                 printf "%-28s %4s registers %5s B spilled %7s B static shared\n", name, $5, spills, smem }'
+done | grep -E "${1:-.}" | sort
