@@ -395,22 +395,36 @@ fn prefill_then_decode_against_cpu(
     }
 }
 
+/// The demo config with `fields` set, on random weights: the logits of a prompt of `tokens` ids
+/// (i * stride + offset, wrapped to the vocabulary) at every position, then 4 greedy decode
+/// steps, against the CPU (see prefill_then_decode_against_cpu).
+fn random_shape_matches_the_cpu(
+    fields: &[(&str, usize)],
+    tokens: u32,
+    stride: u32,
+    offset: u32,
+    label: &str,
+) {
+    let mut config = demo_config_json();
+    for (name, value) in fields {
+        config[*name] = (*value).into();
+    }
+    let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
+    let model = Arc::new(random_model(config).unwrap());
+    let gpu = cuda(&model, 1);
+    let vocab = model.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..tokens).map(|i| (i * stride + offset) % vocab).collect();
+    prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::All, 4, label);
+}
+
 /// DeltaNet heads the chunkwise kernels do not take (key_dim 16, value_dim 24: not whole 16-wide
 /// tiles) run their prefill recurrence in `deltanet_scan` and decode in `deltanet_step` split
 /// over two-block clusters: a 100-token prompt's logits at every position, then greedy decode,
 /// against the CPU on random weights of that shape.
 #[test]
 fn deltanet_heads_outside_the_chunkwise_kernels_match_the_cpu() {
-    let mut config = demo_config_json();
-    config["linear_key_head_dim"] = 16.into();
-    config["linear_value_head_dim"] = 24.into();
-    let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
-    let model = Arc::new(random_model(config).unwrap());
-    let gpu = cuda(&model, 1);
-    let vocab = model.config.vocab_size as u32;
-    let prompt: Vec<u32> = (0..100u32).map(|i| (i * 37 + 11) % vocab).collect();
-    let label = "key_dim 16, value_dim 24";
-    prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::All, 4, label);
+    let fields = [("linear_key_head_dim", 16), ("linear_value_head_dim", 24)];
+    random_shape_matches_the_cpu(&fields, 100, 37, 11, "key_dim 16, value_dim 24");
 }
 
 /// Routing on the GPU when the last run of 32 experts holds fewer experts than top_k (36 experts,
@@ -418,16 +432,8 @@ fn deltanet_heads_outside_the_chunkwise_kernels_match_the_cpu() {
 /// decode, against the CPU on random weights of that shape.
 #[test]
 fn routing_with_a_short_last_run_of_experts_matches_the_cpu() {
-    let mut config = demo_config_json();
-    config["num_experts"] = 36.into();
-    config["num_experts_per_tok"] = 8.into();
-    let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
-    let model = Arc::new(random_model(config).unwrap());
-    let gpu = cuda(&model, 1);
-    let vocab = model.config.vocab_size as u32;
-    let prompt: Vec<u32> = (0..60u32).map(|i| (i * 53 + 7) % vocab).collect();
-    let label = "36 experts, top-8";
-    prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::All, 4, label);
+    let fields = [("num_experts", 36), ("num_experts_per_tok", 8)];
+    random_shape_matches_the_cpu(&fields, 60, 53, 7, "36 experts, top-8");
 }
 
 /// Decode attention (`attention_split` on tensor cores, then `attention_combine`) against an f64
