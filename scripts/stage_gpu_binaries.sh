@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --features cuda --target-dir target/cuda
 tests="$(cargo test --release --features cuda --target-dir target/cuda --test cuda --no-run \
-    --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*"' | tail -1 | cut -d'"' -f4)"
+    --message-format=json 2>/dev/null | grep '"kind":\["test"\]' | grep -o '"executable":"[^"]*"' |
+    tail -1 | cut -d'"' -f4)"
 mkdir -p target/gpu
 cp target/cuda/release/lily target/gpu/lily
 cp "$tests" target/gpu/cuda-tests

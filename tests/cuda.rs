@@ -15,7 +15,7 @@ use lily::backend::cuda::{CudaBackend, CudaOptions, DEFAULT_PREFILL_CHUNK};
 use lily::backend::{Backend, DeviceDraw, LogitsFor, argmax};
 use lily::config::ModelConfig;
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
-use lily::model::demo::{demo_config_json, random_model};
+use lily::model::demo::{demo_config_json, random_model, random_safetensors};
 use lily::model::{Model, Storage};
 use lily::quant::QuantSpec;
 
@@ -257,63 +257,92 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 
 /// The prefill path's tensor-core product (4- and 8-bit weights dequantised in registers, inputs
 /// in fp16) against an f64 product of the same dequantised weights: every quantised matrix of the
-/// fixture (the routers stay 8-bit in a 4-bit conversion), at three group sizes and both widths,
-/// times a token count that leaves the last block partly empty, whole and split along k.
+/// fixture (the routers stay 8-bit in a 4-bit conversion) at three group sizes and both widths,
+/// and of the wide random model (see `wide_random_checkpoint`: k up to 1,536, many k steps), times
+/// a token count that leaves the last block partly empty, whole and split along k.
 #[test]
 fn tensor_core_matmul_matches_the_dequantised_product() {
-    for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 64)] {
-        let tmp = tempfile::tempdir().unwrap();
-        let out = quantized_fixture(&tmp.path().join("q"), bits, group_size);
-        let model = Model::load(&out).unwrap();
-        let gpu = cuda(&model, 1);
-        let tokens = 77;
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut checked = 0;
-        for w in model.matrices() {
-            if !matches!(&w.storage, Storage::Quantized(q) if q.spec.bits == 4 || q.spec.bits == 8)
-            {
-                continue;
-            }
-            let x: Vec<f32> = (0..tokens * w.cols)
-                .map(|_| {
-                    seed = seed
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-                })
-                .collect();
-            let mut dense = vec![0.0f32; w.rows * w.cols];
-            w.rows_to_f32(0, &mut dense);
-            let want: Vec<f32> = (0..tokens)
-                .flat_map(|t| {
-                    let xt = &x[t * w.cols..(t + 1) * w.cols];
-                    dense.chunks_exact(w.cols).map(move |row| {
-                        row.iter()
-                            .zip(xt)
-                            .map(|(&a, &b)| a as f64 * b as f64)
-                            .sum::<f64>() as f32
-                    })
-                })
-                .collect();
-            // One split, and three (the router's split product; with few k steps some splits
-            // get none and must write zeros).
-            for splits in [1, 3] {
-                let got = gpu.matmul_q(w, &x, tokens, splits).unwrap();
-                let err = relative_error(&got, &want);
-                // fp16 inputs and weights round at 2^-11; the GPU also keeps scales and biases
-                // in bf16.
-                assert!(
-                    err < 5e-3,
-                    "{bits}-bit group {group_size}, {}x{}, {splits} splits: relative error {err:.2e}",
-                    w.rows,
-                    w.cols
-                );
-            }
-            checked += 1;
-        }
-        println!("{bits}-bit, group size {group_size}: {checked} matrices within 5e-3");
-        assert!(checked > 0, "the fixture has quantised matrices");
+    let tmp = tempfile::tempdir().unwrap();
+    let wide = wide_random_checkpoint(&tmp.path().join("wide"));
+    let mut failures = Vec::new();
+    for (bits, group_size) in [(4, 32), (4, 64), (4, 128), (8, 64), (8, 32)] {
+        let out = quantized_fixture(
+            &tmp.path().join(format!("q{bits}-{group_size}")),
+            bits,
+            group_size,
+        );
+        failures.extend(tensor_core_errors(
+            &out,
+            &format!("fixture {bits}-bit group {group_size}"),
+        ));
     }
+    for (bits, group_size) in [(4, 64), (8, 64), (8, 32)] {
+        let out = tmp.path().join(format!("wide-q{bits}-{group_size}"));
+        convert_to(&wide, &out, bits, group_size);
+        failures.extend(tensor_core_errors(
+            &out,
+            &format!("wide {bits}-bit group {group_size}"),
+        ));
+    }
+    assert!(failures.is_empty(), "above 5e-3:\n{}", failures.join("\n"));
+}
+
+/// The tensor-core product's relative error on every quantised matrix of the checkpoint in
+/// `dir`, as messages for those above 5e-3.
+fn tensor_core_errors(dir: &Path, label: &str) -> Vec<String> {
+    let model = Model::load(dir).unwrap();
+    let gpu = cuda(&model, 1);
+    let tokens = 77;
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let (mut checked, mut failures, mut worst) = (0, Vec::new(), 0.0f32);
+    for w in model.matrices() {
+        if !matches!(&w.storage, Storage::Quantized(q) if q.spec.bits == 4 || q.spec.bits == 8) {
+            continue;
+        }
+        let x: Vec<f32> = (0..tokens * w.cols)
+            .map(|_| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+            })
+            .collect();
+        let mut dense = vec![0.0f32; w.rows * w.cols];
+        w.rows_to_f32(0, &mut dense);
+        let want: Vec<f32> = (0..tokens)
+            .flat_map(|t| {
+                let xt = &x[t * w.cols..(t + 1) * w.cols];
+                dense.chunks_exact(w.cols).map(move |row| {
+                    row.iter()
+                        .zip(xt)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>() as f32
+                })
+            })
+            .collect();
+        // One split, and three (the router's split product; with few k steps some splits get
+        // none and must write zeros).
+        for splits in [1, 3] {
+            let got = gpu.matmul_q(w, &x, tokens, splits).unwrap();
+            let err = relative_error(&got, &want);
+            worst = worst.max(err);
+            // fp16 inputs and weights round at 2^-11; the GPU also keeps scales and biases in
+            // bf16.
+            if err >= 5e-3 {
+                failures.push(format!(
+                    "{label}, {}x{}, {splits} splits: relative error {err:.2e}",
+                    w.rows, w.cols
+                ));
+            }
+        }
+        checked += 1;
+    }
+    println!("{label}: {checked} matrices, worst relative error {worst:.2e}");
+    assert!(
+        checked > 0,
+        "{label}: the checkpoint has quantised matrices"
+    );
+    failures
 }
 
 /// A prompt longer than a prefill chunk (2,500 tokens: three chunks of up to 1,024, the last
@@ -434,6 +463,55 @@ fn deltanet_heads_outside_the_chunkwise_kernels_match_the_cpu() {
 fn routing_with_a_short_last_run_of_experts_matches_the_cpu() {
     let fields = [("num_experts", 36), ("num_experts_per_tok", 8)];
     random_shape_matches_the_cpu(&fields, 60, 53, 7, "36 experts, top-8");
+}
+
+/// The demo config widened (hidden 1,536; 48 DeltaNet value heads: out_proj 1,536 inputs too;
+/// so the down projections have 1,536 rows of 64 inputs, and every product many k steps) on
+/// random weights, written as an f32 checkpoint directory `lily convert` takes.
+fn wide_random_checkpoint(dir: &Path) -> PathBuf {
+    let mut config = demo_config_json();
+    config["hidden_size"] = 1536.into();
+    config["linear_num_value_heads"] = 48.into();
+    // Converted to bf16 scales and biases, as real checkpoints are (the GPU keeps them in bf16;
+    // f32 ones would be rounded there and not on the CPU).
+    config["torch_dtype"] = "bfloat16".into();
+    let parsed = ModelConfig::from_json_str(&config.to_string()).unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        random_safetensors(&parsed).unwrap(),
+    )
+    .unwrap();
+    dir.to_path_buf()
+}
+
+fn convert_to(source: &Path, out: &Path, bits: u32, group_size: usize) {
+    let options = ConvertOptions {
+        spec: QuantSpec::new(bits, group_size).unwrap(),
+        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+        progress: false,
+    };
+    convert(source, out, &options).unwrap();
+}
+
+/// Prefill and decode of the wide random model (`wide_random_checkpoint`) quantised at both
+/// widths and three group sizes: a 24-token prompt, then 6 greedy decode steps, against the CPU
+/// running the same quantised checkpoint.
+#[test]
+fn wide_quantized_rows_decode_like_the_cpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let source = wide_random_checkpoint(&tmp.path().join("f32"));
+    for (bits, group_size) in [(4, 64), (8, 64), (8, 32), (4, 128)] {
+        let out = tmp.path().join(format!("q{bits}-g{group_size}"));
+        convert_to(&source, &out, bits, group_size);
+        let model = Arc::new(Model::load(&out).unwrap());
+        let gpu = cuda(&model, 1);
+        let vocab = model.config.vocab_size as u32;
+        let prompt: Vec<u32> = (0..24).map(|i| (i * 29 + 5) % vocab).collect();
+        let label = format!("hidden 1536, {bits}-bit, group {group_size}");
+        prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::Last, 6, &label);
+    }
 }
 
 /// Decode attention (`attention_split` on tensor cores, then `attention_combine`) against an f64

@@ -71,7 +71,7 @@ pub fn demo() -> Result<Demo> {
 /// A model with the demo's kind of deterministic random weights for any configuration: tests
 /// use it for shapes the checked-in fixtures do not have (start from [`demo_config_json`]).
 pub fn random_model(config: ModelConfig) -> Result<Model> {
-    let safetensors = weights(&config)?;
+    let safetensors = random_safetensors(&config)?;
     let checkpoint = Checkpoint::from_memory(DEMO_MODEL_NAME, &safetensors)?;
     Model::from_checkpoint(config, &checkpoint).context("random weights")
 }
@@ -129,8 +129,9 @@ impl Draw {
     }
 }
 
-/// The weights as one safetensors file (f32), under the Hugging Face text-only names.
-fn weights(c: &ModelConfig) -> Result<Vec<u8>> {
+/// [`random_model`]'s weights as one safetensors file (f32) under the Hugging Face text-only
+/// names: with its config.json, a checkpoint directory `lily convert` takes.
+pub fn random_safetensors(c: &ModelConfig) -> Result<Vec<u8>> {
     let mut draw = Draw(ChaCha20Rng::seed_from_u64(SEED));
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     let h = c.hidden_size;

@@ -56,12 +56,20 @@ impl CudaBackend {
                     dt_bias,
                     norm,
                 } => {
-                    self.matvec(in_proj, x, Some(p(&layer.input_norm)), proj, false, 1)?;
+                    self.matvec(
+                        "in_proj",
+                        in_proj,
+                        x,
+                        Some(p(&layer.input_norm)),
+                        proj,
+                        false,
+                        1,
+                    )?;
                     let weights = [conv_w, a_log, dt_bias, norm];
                     let gdn_layer =
                         DeltaNetParams::new(&gdn_dims, weights, slot, gdn_i, proj, core, s);
                     self.deltanet_step(&gdn_layer, 1)?;
-                    self.matvec(out_proj, core, None, x, true, 1)?;
+                    self.matvec("out_proj", out_proj, core, None, x, true, 1)?;
                     gdn_i += 1;
                 }
                 DeviceMixer::Attention {
@@ -70,7 +78,7 @@ impl CudaBackend {
                     q_norm,
                     k_norm,
                 } => {
-                    self.matvec(qkv, x, Some(p(&layer.input_norm)), proj, false, 1)?;
+                    self.matvec("qkv", qkv, x, Some(p(&layer.input_norm)), proj, false, 1)?;
                     let norms = [q_norm, k_norm];
                     let attn = AttentionBuffers::new(norms, slot, attn_i, proj, p(&sc.q), core, s);
                     let splits = AttentionSplits {
@@ -79,14 +87,22 @@ impl CudaBackend {
                         out: p(&sc.part_out),
                     };
                     self.attention(&attn_dims, &attn, &splits, 1)?;
-                    self.matvec(o_proj, core, None, x, true, 1)?;
+                    self.matvec("o_proj", o_proj, core, None, x, true, 1)?;
                     attn_i += 1;
                 }
             }
             self.moe(layer, &moe_buffers, x, 1)?;
         }
         let logits = p(&sc.logits);
-        self.matvec(&m.lm_head, x, Some(p(&m.final_norm)), logits, false, 1)?;
+        self.matvec(
+            "lm_head",
+            &m.lm_head,
+            x,
+            Some(p(&m.final_norm)),
+            logits,
+            false,
+            1,
+        )?;
         let n = c.vocab_size as i32;
         match end {
             StepEnd::Greedy => {

@@ -852,9 +852,11 @@ impl CudaBackend {
 
     /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y
     /// (a grid row each); added to y when `accumulate`. At most one wave of persistent blocks.
+    /// `role` names the launch (the weight's part in the model) in errors and the critical path.
     #[allow(clippy::too_many_arguments)]
     fn matvec(
         &self,
+        role: &'static str,
         w: &DeviceWeight,
         x: u64,
         norm: Option<u64>,
@@ -868,10 +870,10 @@ impl CudaBackend {
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
         let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
-        let (name, kernel) = if rows_per_warp == 2 {
-            ("matvec_two_rows", &self.k.matvec_two_rows)
+        let kernel = if rows_per_warp == 2 {
+            &self.k.matvec_two_rows
         } else {
-            ("matvec", &self.k.matvec)
+            &self.k.matvec
         };
         let warps = MATVEC_THREADS as usize / 32;
         let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
@@ -885,7 +887,7 @@ impl CudaBackend {
         // construction for these shapes).
         unsafe {
             self.launch(
-                name,
+                role,
                 kernel,
                 cfg,
                 &mut [

@@ -444,7 +444,7 @@ impl CudaBackend {
             self.gemm_rows_split(w, x16, xs, n, y, accumulate, splits)?;
             Ok(splits)
         } else {
-            self.matvec(w, x, norm, y, accumulate, n)?;
+            self.matvec("prefill_matvec", w, x, norm, y, accumulate, n)?;
             Ok(1)
         }
     }
