@@ -465,15 +465,14 @@ fn routing_with_a_short_last_run_of_experts_matches_the_cpu() {
     random_shape_matches_the_cpu(&fields, 60, 53, 7, "36 experts, top-8");
 }
 
-/// The demo config widened (hidden 1,536; 48 DeltaNet value heads: out_proj 1,536 inputs too;
-/// so the down projections have 1,536 rows of 64 inputs, and every product many k steps) on
-/// random weights, written as an f32 checkpoint directory `lily convert` takes.
-fn wide_random_checkpoint(dir: &Path) -> PathBuf {
+/// The demo config with `fields` set, bf16 (converted to bf16 scales and biases, as real
+/// checkpoints are: the GPU keeps them in bf16, f32 ones would be rounded there and not on the
+/// CPU), on random weights: an f32 checkpoint directory `lily convert` takes.
+fn random_checkpoint(dir: &Path, fields: &[(&str, usize)]) -> PathBuf {
     let mut config = demo_config_json();
-    config["hidden_size"] = 1536.into();
-    config["linear_num_value_heads"] = 48.into();
-    // Converted to bf16 scales and biases, as real checkpoints are (the GPU keeps them in bf16;
-    // f32 ones would be rounded there and not on the CPU).
+    for (name, value) in fields {
+        config[*name] = (*value).into();
+    }
     config["torch_dtype"] = "bfloat16".into();
     let parsed = ModelConfig::from_json_str(&config.to_string()).unwrap();
     std::fs::create_dir_all(dir).unwrap();
@@ -486,6 +485,30 @@ fn wide_random_checkpoint(dir: &Path) -> PathBuf {
     dir.to_path_buf()
 }
 
+/// The demo config widened (hidden 1,536; 48 DeltaNet value heads: out_proj 1,536 inputs too;
+/// so the down projections have 1,536 rows of 64 inputs, and every product many k steps).
+fn wide_random_checkpoint(dir: &Path) -> PathBuf {
+    random_checkpoint(
+        dir,
+        &[("hidden_size", 1536), ("linear_num_value_heads", 48)],
+    )
+}
+
+/// `bits`-bit conversions of `source` with each group size, a 24-token prompt prefilled and 6
+/// greedy decode steps against the CPU running the same quantised checkpoint.
+fn quantized_decode_against_cpu(source: &Path, formats: &[(u32, usize)], label: &str) {
+    for &(bits, group_size) in formats {
+        let out = source.with_file_name(format!("q{bits}-g{group_size}"));
+        convert_to(source, &out, bits, group_size);
+        let model = Arc::new(Model::load(&out).unwrap());
+        let gpu = cuda(&model, 1);
+        let vocab = model.config.vocab_size as u32;
+        let prompt: Vec<u32> = (0..24).map(|i| (i * 29 + 5) % vocab).collect();
+        let label = format!("{label}, {bits}-bit, group {group_size}");
+        prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::Last, 6, &label);
+    }
+}
+
 fn convert_to(source: &Path, out: &Path, bits: u32, group_size: usize) {
     let options = ConvertOptions {
         spec: QuantSpec::new(bits, group_size).unwrap(),
@@ -496,22 +519,28 @@ fn convert_to(source: &Path, out: &Path, bits: u32, group_size: usize) {
 }
 
 /// Prefill and decode of the wide random model (`wide_random_checkpoint`) quantised at both
-/// widths and three group sizes: a 24-token prompt, then 6 greedy decode steps, against the CPU
-/// running the same quantised checkpoint.
+/// widths and three group sizes against the CPU.
 #[test]
 fn wide_quantized_rows_decode_like_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     let source = wide_random_checkpoint(&tmp.path().join("f32"));
-    for (bits, group_size) in [(4, 64), (8, 64), (8, 32), (4, 128)] {
-        let out = tmp.path().join(format!("q{bits}-g{group_size}"));
-        convert_to(&source, &out, bits, group_size);
-        let model = Arc::new(Model::load(&out).unwrap());
-        let gpu = cuda(&model, 1);
-        let vocab = model.config.vocab_size as u32;
-        let prompt: Vec<u32> = (0..24).map(|i| (i * 29 + 5) % vocab).collect();
-        let label = format!("hidden 1536, {bits}-bit, group {group_size}");
-        prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::Last, 6, &label);
-    }
+    let formats = [(4, 64), (8, 64), (8, 32), (4, 128)];
+    quantized_decode_against_cpu(&source, &formats, "hidden 1536");
+}
+
+/// Experts of 512 intermediates, as the real model's (moe_gate_up's 32 row blocks per slot,
+/// moe_down's gathered rows of 8 groups per expert at 4-bit g64): prefill and decode against the
+/// CPU, 4- and 8-bit at three group sizes.
+#[test]
+fn experts_of_512_decode_like_the_cpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fields = [
+        ("moe_intermediate_size", 512),
+        ("shared_expert_intermediate_size", 512),
+    ];
+    let source = random_checkpoint(&tmp.path().join("f32"), &fields);
+    let formats = [(4, 64), (8, 32), (8, 64), (4, 128)];
+    quantized_decode_against_cpu(&source, &formats, "experts of 512");
 }
 
 /// Decode attention (`attention_split` on tensor cores, then `attention_combine`) against an f64
