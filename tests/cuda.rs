@@ -37,12 +37,7 @@ fn fixtures() -> Vec<PathBuf> {
 
 /// The first fixture converted to MLX `bits`-bit with groups of `group_size`, written to `out`.
 fn quantized_fixture(out: &Path, bits: u32, group_size: usize) -> PathBuf {
-    let options = ConvertOptions {
-        spec: QuantSpec::new(bits, group_size).unwrap(),
-        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-        progress: false,
-    };
-    convert(&fixtures()[0], out, &options).unwrap();
+    convert_to(&fixtures()[0], out, bits, group_size);
     out.to_path_buf()
 }
 
@@ -424,6 +419,15 @@ fn prefill_then_decode_against_cpu(
     }
 }
 
+/// The demo config with `fields` set.
+fn demo_config_with(fields: &[(&str, usize)]) -> serde_json::Value {
+    let mut config = demo_config_json();
+    for (name, value) in fields {
+        config[*name] = (*value).into();
+    }
+    config
+}
+
 /// The demo config with `fields` set, on random weights: the logits of a prompt of `tokens` ids
 /// (i * stride + offset, wrapped to the vocabulary) at every position, then 4 greedy decode
 /// steps, against the CPU (see prefill_then_decode_against_cpu).
@@ -434,11 +438,7 @@ fn random_shape_matches_the_cpu(
     offset: u32,
     label: &str,
 ) {
-    let mut config = demo_config_json();
-    for (name, value) in fields {
-        config[*name] = (*value).into();
-    }
-    let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
+    let config = ModelConfig::from_json_str(&demo_config_with(fields).to_string()).unwrap();
     let model = Arc::new(random_model(config).unwrap());
     let gpu = cuda(&model, 1);
     let vocab = model.config.vocab_size as u32;
@@ -469,10 +469,7 @@ fn routing_with_a_short_last_run_of_experts_matches_the_cpu() {
 /// checkpoints are: the GPU keeps them in bf16, f32 ones would be rounded there and not on the
 /// CPU), on random weights: an f32 checkpoint directory `lily convert` takes.
 fn random_checkpoint(dir: &Path, fields: &[(&str, usize)]) -> PathBuf {
-    let mut config = demo_config_json();
-    for (name, value) in fields {
-        config[*name] = (*value).into();
-    }
+    let mut config = demo_config_with(fields);
     config["torch_dtype"] = "bfloat16".into();
     let parsed = ModelConfig::from_json_str(&config.to_string()).unwrap();
     std::fs::create_dir_all(dir).unwrap();
