@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 
 use crate::backend::cuda::weights::WeightFormat;
 use crate::backend::cuda::{CudaBackend, CudaOptions};
@@ -26,6 +26,8 @@ pub struct BenchArgs {
     /// Replays per truncated step for the decode critical path (0: not timed; see
     /// `CudaBackend::decode_critical_path`).
     pub critical_path: usize,
+    /// Where to write a per-block timeline of one replayed decode step (`CudaBackend::decode_trace`).
+    pub trace: Option<std::path::PathBuf>,
     /// Prompt tokens per prefill chunk (`CudaOptions::prefill_chunk`).
     pub prefill_chunk: usize,
 }
@@ -37,7 +39,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "--prompt and --gen must be positive"
     );
     let opts = CudaOptions {
-        max_context: args.prompt + args.generate + args.profile_steps + args.critical_path + 2,
+        max_context: args.prompt + args.generate + args.profile_steps + args.critical_path + 16,
         max_sequences: 1,
         use_graphs: args.use_graphs,
         prefill_chunk: args.prefill_chunk,
@@ -85,6 +87,28 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     } else {
         None
     };
+    if let Some(path) = &args.trace {
+        let records = backend.decode_trace(&mut state, 8)?;
+        let mut csv = String::from("launch,name,block,sm,start_ns,waited_ns,end_ns\n");
+        for r in &records {
+            csv.push_str(&format!(
+                "{},{},{},{},{},{},{}\n",
+                r.launch,
+                r.name,
+                r.block,
+                r.sm,
+                r.start_ns,
+                r.waited_ns.map(|w| w.to_string()).unwrap_or_default(),
+                r.end_ns
+            ));
+        }
+        std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
+        println!(
+            "trace              {} block records in {}",
+            records.len(),
+            path.display()
+        );
+    }
     if args.profile_steps > 0 {
         backend.profile(|| {
             for _ in 0..args.profile_steps {

@@ -91,6 +91,10 @@ enum Command {
         /// replayed truncated after each launch, this many times each.
         #[arg(long, default_value_t = 0)]
         critical_path: usize,
+        /// Write a per-block timeline of one replayed decode step to this CSV file (needs
+        /// LILY_TRACE_RECORDS=N in the environment, which compiles the block records in).
+        #[arg(long)]
+        trace: Option<PathBuf>,
         /// Prompt tokens per prefill chunk.
         #[arg(long, default_value_t = lily::backend::cuda::DEFAULT_PREFILL_CHUNK as u32,
               value_parser = clap::value_parser!(u32).range(1..))]
@@ -385,6 +389,7 @@ fn run(cli: Cli) -> Result<()> {
             no_graphs,
             profile_steps,
             critical_path,
+            trace,
             prefill_chunk,
         } => {
             use lily::backend::cuda::weights::WeightFormat;
@@ -405,6 +410,7 @@ fn run(cli: Cli) -> Result<()> {
                 use_graphs: !no_graphs,
                 profile_steps,
                 critical_path,
+                trace,
                 prefill_chunk: prefill_chunk as usize,
             })?;
         }

@@ -12,7 +12,7 @@ use super::{
     AttentionBuffers, AttentionDims, AttentionSplits, COMBINE_DIMS, COMBINE_PARTS, CudaBackend,
     DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape, GATE_UP_ROWS_PER_WARP,
     MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot, StepEnd, arg,
-    attention_tile_row, cfg, moe_down_smem, staged_bytes,
+    attention_tile_row, cfg, staged_bytes,
 };
 
 impl CudaBackend {
@@ -467,7 +467,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        let smem = moe_down_smem(c);
+        let smem = self.down_smem;
         let blocks =
             c.hidden_size
                 .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;

@@ -53,11 +53,13 @@ fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lily"))
 }
 
-fn options() -> CompileOptions {
+fn options(defines: &[String]) -> CompileOptions {
+    let mut options = vec!["--std=c++17".to_string(), "-lineinfo".to_string()];
+    options.extend(defines.iter().map(|d| format!("-D{d}")));
     CompileOptions {
         arch: Some(ARCH),
         include_paths: vec![include_dir().display().to_string()],
-        options: vec!["--std=c++17".into(), "-lineinfo".into()],
+        options,
         use_fast_math: Some(false),
         ..Default::default()
     }
@@ -71,10 +73,10 @@ fn full_source(src: &str) -> String {
     s
 }
 
-/// Compiles one module (or takes it from the cache).
-pub fn compile(name: &str, src: &str, use_cache: bool) -> Result<Ptx> {
+/// Compiles one module (or takes it from the cache), with `defines` (`NAME=VALUE`) set.
+pub fn compile(name: &str, src: &str, use_cache: bool, defines: &[String]) -> Result<Ptx> {
     let source = full_source(src);
-    let opts = options();
+    let opts = options(defines);
     let mut hasher = DefaultHasher::new();
     source.hash(&mut hasher);
     format!("{opts:?}").hash(&mut hasher);
@@ -109,13 +111,24 @@ pub fn compile(name: &str, src: &str, use_cache: bool) -> Result<Ptx> {
 /// `lily kernels --check`: compiles every module without the cache; reports and fails on errors.
 pub fn check_all() -> Result<()> {
     let mut failed = Vec::new();
-    for (name, src) in MODULES {
-        let start = Instant::now();
-        match compile(name, src, false) {
-            Ok(_) => println!("ok     {name} ({:.2} s)", start.elapsed().as_secs_f64()),
-            Err(e) => {
-                println!("FAILED {name}\n{e:#}");
-                failed.push(*name);
+    // Every module as loaded, and with the block records of `lily bench --trace` compiled in
+    // (at a made-up address: nothing runs).
+    let traced = [
+        "LILY_TRACE_BUF=0x10000ull".to_string(),
+        "LILY_TRACE_CAP=1".to_string(),
+    ];
+    for (defines, variant) in [(&[][..], ""), (&traced[..], " (traced)")] {
+        for (name, src) in MODULES {
+            let start = Instant::now();
+            match compile(name, src, false, defines) {
+                Ok(_) => println!(
+                    "ok     {name}{variant} ({:.2} s)",
+                    start.elapsed().as_secs_f64()
+                ),
+                Err(e) => {
+                    println!("FAILED {name}{variant}\n{e:#}");
+                    failed.push(format!("{name}{variant}"));
+                }
             }
         }
     }
@@ -130,14 +143,14 @@ pub fn check_all() -> Result<()> {
     Ok(())
 }
 
-/// Compiles every module, for loading into a context.
-pub fn compile_all() -> Result<Vec<(&'static str, Ptx)>> {
+/// Compiles every module with `defines` set, for loading into a context.
+pub fn compile_all(defines: &[String]) -> Result<Vec<(&'static str, Ptx)>> {
     MODULES
         .iter()
         .map(|(name, src)| {
             Ok((
                 *name,
-                compile(name, src, true).context("compiling kernels")?,
+                compile(name, src, true, defines).context("compiling kernels")?,
             ))
         })
         .collect()

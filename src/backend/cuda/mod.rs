@@ -287,13 +287,24 @@ fn attention_tile_row(head_dim: usize) -> usize {
     width + 8
 }
 
-/// Dynamic shared memory of `moe_down`: the routed activations staged one after another, then
-/// the shared expert's.
-fn moe_down_smem(c: &ModelConfig) -> u32 {
+/// Shared memory `moe_down` stages its inputs in: the routed activations one after another,
+/// then the shared expert's.
+fn moe_down_staged_bytes(c: &ModelConfig) -> u32 {
     staged_bytes(&[
         c.moe_intermediate_size * c.num_experts_per_tok,
         c.shared_expert_intermediate_size,
     ])
+}
+
+/// Dynamic shared memory `moe_down` asks for: its staging, and at least a third of an SM's
+/// (`smem_per_sm`), so that no more than two of its blocks share an SM. They are placed as
+/// `moe_gate_up`'s blocks leave, and without the floor they pile three to an SM where room
+/// appears first (`lily bench --trace`: 71 SMs with three, 36 with none), and those SMs finish
+/// ~0.5 us later.
+fn moe_down_smem(c: &ModelConfig, smem_per_sm: u32) -> u32 {
+    moe_down_staged_bytes(c)
+        .max(smem_per_sm / 3)
+        .min(MAX_DYNAMIC_SHARED_BYTES as u32)
 }
 
 // SAFETY: plain old data mirroring the structs of the same names in the kernel sources.
@@ -336,6 +347,9 @@ impl Fill {
 }
 
 struct Kernels {
+    /// Where traced kernels record their blocks' timelines (`LILY_TRACE_RECORDS` set; see
+    /// `CudaBackend::decode_trace`).
+    block_trace: Option<Mutex<CudaSlice<u64>>>,
     matvec: CudaFunction,
     matvec_two_rows: CudaFunction,
     embed: CudaFunction,
@@ -477,6 +491,8 @@ pub struct CudaBackend {
     max_context: usize,
     use_graphs: bool,
     num_sms: u32,
+    /// Dynamic shared memory `moe_down` asks for (see `moe_down_smem`).
+    down_smem: u32,
     /// Chunk activations of the prefill path, allocated with the backend so that the first
     /// prompt does not pay for them.
     prefill: Mutex<prefill::PrefillScratch>,
@@ -536,8 +552,27 @@ impl CudaBackend {
         // (and its events would get in the way of graph capture).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
+        let block_trace = match std::env::var("LILY_TRACE_RECORDS") {
+            Ok(records) => {
+                let records: usize = records
+                    .parse()
+                    .context("LILY_TRACE_RECORDS must be a number of block records")?;
+                Some(stream.alloc_zeros::<u64>(8 + 5 * records)?)
+            }
+            Err(_) => None,
+        };
+        let defines: Vec<String> = block_trace
+            .iter()
+            .flat_map(|b| {
+                [
+                    format!("LILY_TRACE_BUF={}ull", ptr(b, &stream)),
+                    format!("LILY_TRACE_CAP={}", (b.len() - 8) / 5),
+                ]
+            })
+            .collect();
+        let block_trace = block_trace.map(Mutex::new);
         let mut functions = std::collections::HashMap::new();
-        for (name, ptx) in kernels::compile_all()? {
+        for (name, ptx) in kernels::compile_all(&defines)? {
             let module = ctx
                 .load_module(ptx)
                 .with_context(|| format!("loading kernel module `{name}`"))?;
@@ -551,6 +586,7 @@ impl CudaBackend {
                 .with_context(|| format!("kernel `{name}` missing"))
         };
         let k = Kernels {
+            block_trace,
             matvec: get("matvec")?,
             matvec_two_rows: get("matvec_two_rows")?,
             embed: get("embed")?,
@@ -661,7 +697,7 @@ impl CudaBackend {
         .unwrap_or(0);
         ensure!(
             staged_bytes(&[widest]) as usize <= MAX_DYNAMIC_SHARED_BYTES
-                && moe_down_smem(c) as usize <= MAX_DYNAMIC_SHARED_BYTES,
+                && moe_down_staged_bytes(c) as usize <= MAX_DYNAMIC_SHARED_BYTES,
             "layer widths too large for the CUDA kernels' shared-memory staging"
         );
         let heads_hd = c.num_attention_heads * c.head_dim;
@@ -694,6 +730,10 @@ impl CudaBackend {
         let num_sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
+        let smem_per_sm = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )? as u32;
+        let down_smem = moe_down_smem(c, smem_per_sm);
         let prefill_chunk = opts.prefill_chunk.min(opts.max_context);
         let prefill = prefill::PrefillScratch::new(&stream, c, prefill_chunk)?;
         stream.synchronize()?;
@@ -709,6 +749,7 @@ impl CudaBackend {
             max_context: opts.max_context,
             use_graphs: opts.use_graphs,
             num_sms,
+            down_smem,
             prefill: Mutex::new(prefill),
             prefill_chunk,
             timer: Mutex::new(timing::PartTimer::default()),

@@ -206,6 +206,98 @@ impl CudaBackend {
     }
 }
 
+/// One traced block of a replayed decode step (`CudaBackend::decode_trace`); times in
+/// nanoseconds from the earliest block's start.
+#[derive(Clone, Debug)]
+pub struct BlockRecord {
+    pub launch: usize,
+    pub name: &'static str,
+    pub block: u32,
+    pub sm: u32,
+    pub start_ns: i64,
+    pub waited_ns: Option<i64>,
+    pub end_ns: i64,
+}
+
+impl CudaBackend {
+    /// Replays the greedy decode step of `state`'s slot `warmup` times, then once more with every
+    /// traced kernel's blocks recording when they started, passed their wait and exited
+    /// (compiled in by `LILY_TRACE_RECORDS`). Advances the slot `warmup + 1` positions.
+    pub fn decode_trace(&self, state: &mut CudaState, warmup: usize) -> Result<Vec<BlockRecord>> {
+        let Some(buf) = self.k.block_trace.as_ref() else {
+            anyhow::bail!("block tracing is compiled in only with LILY_TRACE_RECORDS set");
+        };
+        ensure!(
+            state.position + warmup + 1 < self.max_context,
+            "tracing advances the sequence past the context limit of {}",
+            self.max_context
+        );
+        let slots = self
+            .slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let slot = &slots[state.slot];
+        self.prefix.begin(usize::MAX)?;
+        let graph = self.capture_step(slot, StepEnd::Greedy);
+        let names = self.prefix.end()?;
+        let graph = graph?;
+        for _ in 0..warmup {
+            graph.launch()?;
+        }
+        let mut buf = buf
+            .lock()
+            .map_err(|_| anyhow::anyhow!("trace lock poisoned"))?;
+        self.stream.memcpy_htod(&[0], &mut buf.slice_mut(0..1))?;
+        graph.launch()?;
+        self.stream.synchronize()?;
+        drop(slots);
+        state.position += warmup + 1;
+        state.device_token = None;
+        let words = self.stream.clone_dtoh(&*buf)?;
+        block_records(&words, &names)
+    }
+}
+
+/// Decodes the trace buffer (word 0: records written; from word 8, five words per record: grid
+/// id, SM << 32 | block, start, end of wait or 0, exit): a launch is a grid id, and grid ids grow
+/// in launch order. Every launch of the step must be traced, so that there are as many grids as
+/// `names`.
+fn block_records(words: &[u64], names: &[&'static str]) -> Result<Vec<BlockRecord>> {
+    let (written, capacity) = (words[0] as usize, (words.len() - 8) / 5);
+    ensure!(
+        written <= capacity,
+        "the step wrote {written} block records, more than the {capacity} of LILY_TRACE_RECORDS"
+    );
+    let raw: Vec<&[u64]> = words[8..8 + 5 * written].chunks(5).collect();
+    let mut grids: Vec<u64> = raw.iter().map(|r| r[0]).collect();
+    grids.sort_unstable();
+    grids.dedup();
+    ensure!(
+        grids.len() == names.len(),
+        "{} traced grids for the step's {} launches: a launched kernel is not traced",
+        grids.len(),
+        names.len()
+    );
+    let origin = raw.iter().map(|r| r[2]).min().unwrap_or(0) as i64;
+    let mut records: Vec<BlockRecord> = raw
+        .iter()
+        .map(|r| {
+            let launch = grids.partition_point(|&g| g < r[0]);
+            BlockRecord {
+                launch,
+                name: names[launch],
+                block: r[1] as u32,
+                sm: (r[1] >> 32) as u32,
+                start_ns: r[2] as i64 - origin,
+                waited_ns: (r[3] != 0).then(|| r[3] as i64 - origin),
+                end_ns: r[4] as i64 - origin,
+            }
+        })
+        .collect();
+    records.sort_by_key(|r| (r.launch, r.block));
+    Ok(records)
+}
+
 /// Each kernel's share, in order of first launch, from the launches' names and the replayed
 /// step's time (us) when truncated after each of them.
 fn kernel_shares(names: &[&'static str], cumulative_us: &[f64]) -> Vec<KernelShare> {
@@ -253,6 +345,49 @@ mod tests {
             prefix.end().unwrap().is_empty(),
             "launches outside a recording are not named"
         );
+    }
+
+    #[test]
+    fn trace_records_are_grouped_into_launches_by_grid_id() {
+        let mut words = vec![0u64; 8];
+        // Two blocks of grid 9 (the second launch), one of grid 4 (the first), out of order.
+        for r in [
+            [9, (3 << 32) | 1, 150, 0, 400],
+            [4, 7 << 32, 100, 120, 200],
+            [9, 5 << 32, 160, 210, 300],
+        ] {
+            words.extend(r);
+        }
+        words[0] = 3;
+        words.extend([0; 5]);
+        let records = block_records(&words, &["first", "second"]).unwrap();
+        let got: Vec<_> = records
+            .iter()
+            .map(|r| {
+                (
+                    r.launch,
+                    r.name,
+                    r.block,
+                    r.sm,
+                    r.start_ns,
+                    r.waited_ns,
+                    r.end_ns,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (0, "first", 0, 7, 0, Some(20), 100),
+                (1, "second", 0, 5, 60, Some(110), 200),
+                (1, "second", 1, 3, 50, None, 300),
+            ]
+        );
+        let err = block_records(&words, &["first", "second", "third"]).unwrap_err();
+        assert!(err.to_string().contains("not traced"), "{err}");
+        words[0] = 5;
+        let err = block_records(&words, &["first", "second"]).unwrap_err();
+        assert!(err.to_string().contains("LILY_TRACE_RECORDS"), "{err}");
     }
 
     #[test]

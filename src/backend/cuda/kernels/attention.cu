@@ -22,6 +22,7 @@ __device__ __forceinline__ int attention_proj_width(const AttentionDims& d) {
 extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDims d, const float* proj, const float* q_norm,
                                              const float* k_norm, const int* position, float* q_out,
                                              bf16* k_cache, bf16* v_cache) {
+    TRACE_BLOCK();
     wait_for_previous_kernel();
     __shared__ float scratch[32];
     extern __shared__ float head[];
@@ -349,6 +350,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split(
                                                                              const bf16* v_cache,
                                                                              const int* position, float* part_max,
                                                                              float* part_sum, float* part_out) {
+    TRACE_BLOCK();
     // head_dim: a multiple of 16 (whole slices), at most 256; the backend takes multiples of 32.
     if (d.head_dim <= 32) attention_split_impl<32>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
     else if (d.head_dim <= 64) attention_split_impl<64>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
@@ -367,6 +369,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split(
 extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) attention_combine(
     AttentionDims d, const float* proj, const int* position, const float* part_max, const float* part_sum,
     const float* part_out, float* out) {
+    TRACE_BLOCK();
     wait_for_previous_kernel();
     __shared__ float scratch[32];
     __shared__ float split_weight[COMBINE_MAX_SPLITS];

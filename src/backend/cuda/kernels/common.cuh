@@ -71,8 +71,58 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // values, the MoE's input that way), provided some block of the previous kernel waits (the next
 // launch starts once every block has waited or exited, so a kernel whose blocks all exited
 // without waiting would let it start early). Both are no-ops for an ordinary launch.
+#ifdef LILY_TRACE_BUF
+// Block timelines for `lily bench --trace` (compiled in only then): every traced block appends
+// (grid id, SM << 32 | block, start, end of its wait, exit) in %globaltimer nanoseconds to the
+// buffer at LILY_TRACE_BUF (word 0: records written, records from word 8, at most LILY_TRACE_CAP).
+__shared__ unsigned long long trace_stamps[2];
+__shared__ unsigned int trace_exited;
+__shared__ unsigned long long trace_slot;
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+struct BlockTrace {
+    // The record's slot is taken at the start, so that the exit stamp is followed by stores only.
+    __device__ BlockTrace() {
+        if (threadIdx.x + threadIdx.y + threadIdx.z == 0) {
+            trace_stamps[0] = global_ns();
+            trace_stamps[1] = 0;
+            trace_exited = 0;
+            trace_slot = atomicAdd(reinterpret_cast<unsigned long long*>(LILY_TRACE_BUF), 1ull);
+        }
+        __syncthreads();
+    }
+    __device__ ~BlockTrace() {
+        if (atomicAdd(&trace_exited, 1u) != blockDim.x * blockDim.y * blockDim.z - 1) return;
+        const unsigned long long end = global_ns();
+        unsigned long long* buf = reinterpret_cast<unsigned long long*>(LILY_TRACE_BUF);
+        const unsigned long long i = trace_slot;
+        if (i >= LILY_TRACE_CAP) return;
+        unsigned long long grid;
+        unsigned sm;
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        unsigned long long* r = buf + 8 + i * 5;
+        r[0] = grid;
+        r[1] = ((unsigned long long)sm << 32) | block;
+        r[2] = trace_stamps[0];
+        r[3] = trace_stamps[1];
+        r[4] = end;
+    }
+};
+#define TRACE_BLOCK() BlockTrace block_trace
+#else
+#define TRACE_BLOCK()
+#endif
+
 __device__ __forceinline__ void wait_for_previous_kernel() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifdef LILY_TRACE_BUF
+    if (threadIdx.x + threadIdx.y + threadIdx.z == 0 && trace_stamps[1] == 0) trace_stamps[1] = global_ns();
+#endif
     asm volatile("griddepcontrol.launch_dependents;" :::);
 }
 

@@ -48,6 +48,7 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
                                                               const float* conv_w, const float* a_log,
                                                               const float* dt_bias, const float* norm_w, float* state,
                                                               const int* position, int tokens, float* out) {
+    TRACE_BLOCK();
     extern __shared__ float smem[];
     // Sums of squares of the head's output, per token parity, block of the cluster and warp of
     // group 0 (cols <= 256, splits <= MAX_SPLITS): every block pushes its own to all.

@@ -9,6 +9,7 @@
 // in one pass). Shared memory: 64 + staged_floats(cols) floats.
 extern "C" __global__ void __launch_bounds__(256, 3) matvec(Weight w, const float* x, const float* norm_scale, float eps,
                                                          float* y, int accumulate) {
+    TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const size_t t = blockIdx.y;
     matvec_bits<1, 4>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
@@ -19,6 +20,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec(Weight w, const floa
 // missing chunks fetch a second row instead (twice the bytes in flight per warp).
 extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows(Weight w, const float* x, const float* norm_scale,
                                                                   float eps, float* y, int accumulate) {
+    TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const size_t t = blockIdx.y;
     matvec_bits<2, 2>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
@@ -26,6 +28,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows(Weight w, c
 
 // x[t] = row `token[t]` of the embedding table, dequantised to f32; blockIdx.y is t.
 extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* token, float* x) {
+    TRACE_BLOCK();
     wait_for_previous_kernel();
     const int row = token[blockIdx.y];
     const int cols = w.cols;

@@ -170,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
                                                                     Weight shared_up, const float* residual,
                                                                     const float* norm_scale, float* router_logits,
                                                                     float* act) {
+    TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const size_t token = blockIdx.z;
     residual += token * d.hidden;
@@ -226,6 +227,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
                                                               const float* norm_scale, const float* router_logits,
                                                               float* act, int* ids_out, float* weights_out) {
+    TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     __shared__ Routing r;
     const size_t token = blockIdx.z;
@@ -318,6 +320,7 @@ __device__ void down_shared(const Weight& w, const float* xs, int r0, Pass<DOWN_
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual) {
+    TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const size_t token = blockIdx.z;
     act += token * act_width(d);

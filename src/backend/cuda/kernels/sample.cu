@@ -8,6 +8,7 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* logits, int n, float* part_val, int* part_idx) {
+    TRACE_BLOCK();
     wait_for_previous_kernel();
     __shared__ float vals[32];
     __shared__ int idxs[32];
@@ -32,6 +33,7 @@ extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* lo
 // One warp: the overall argmax becomes the next input token; the position advances.
 extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_val, const int* part_idx, int parts, int* token,
                                         int* position) {
+    TRACE_BLOCK();
     wait_for_previous_kernel();
     const int lane = threadIdx.x;
     float v = -INFINITY;
@@ -49,6 +51,7 @@ extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_
 // Advances the position counter by `by`: after a step whose token the host picks (sampling on
 // the host), or after a prefill chunk.
 extern "C" __global__ void advance_position(int* position, int by) {
+    TRACE_BLOCK();
     wait_for_previous_kernel();
     position[0] += by;
 }
@@ -139,6 +142,7 @@ __device__ uint32_t radix_threshold(const float* logits, int n, unsigned long lo
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(const float* logits, int n,
                                                                           const SamplingDesc* desc, int* token,
                                                                           int* position) {
+    TRACE_BLOCK();
     wait_for_previous_kernel();
     __shared__ float scratch[32];
     __shared__ unsigned long long hist[256];

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Summarises a decode-step block timeline written by `lily bench --trace FILE`.
+
+    LILY_TRACE_RECORDS=200000 lily bench --synthetic --quant q4 --prompt 4096 --gen 32 --trace t.csv
+    python3 scripts/trace_summary.py t.csv [--launches]
+
+For each launch (in step order) the times are taken against the end of the previous launch's
+last block (`prev_end`): `start` when its first/last block started (negative: resident before the
+previous launch ended), `wait` when its first block passed its wait for the previous kernel,
+`end` when its last block exited (the launch's length on the chain), and the spread of its
+blocks' exits. Then the same per launch name, averaged, with the step's total.
+"""
+import csv
+import statistics
+import sys
+from collections import OrderedDict, defaultdict
+
+
+def main():
+    path = sys.argv[1]
+    per_launch = "--launches" in sys.argv
+    launches = OrderedDict()
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            key = int(row["launch"])
+            entry = launches.setdefault(key, {"name": row["name"], "blocks": []})
+            waited = int(row["waited_ns"]) if row["waited_ns"] else None
+            entry["blocks"].append(
+                (int(row["start_ns"]), waited, int(row["end_ns"]), int(row["sm"]))
+            )
+    rows = []
+    prev_end = None
+    for key in sorted(launches):
+        e = launches[key]
+        starts = sorted(b[0] for b in e["blocks"])
+        waits = sorted(b[1] for b in e["blocks"] if b[1] is not None)
+        ends = sorted(b[2] for b in e["blocks"])
+        base = prev_end if prev_end is not None else starts[0]
+        r = {
+            "launch": key,
+            "name": e["name"],
+            "blocks": len(starts),
+            "sms": len({b[3] for b in e["blocks"]}),
+            "first_start": starts[0] - base,
+            "last_start": starts[-1] - base,
+            "first_wait": (waits[0] - base) if waits else float("nan"),
+            "median_end": statistics.median(ends) - base,
+            "end": ends[-1] - base,
+            "post_wait_median": statistics.median(
+                b[2] - b[1] for b in e["blocks"] if b[1] is not None
+            )
+            if waits
+            else float("nan"),
+        }
+        rows.append(r)
+        prev_end = ends[-1]
+    fmt = "{:>5} {:<20} {:>6} {:>4} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f}"
+    head = "{:>5} {:<20} {:>6} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}".format(
+        "#", "name", "blocks", "SMs", "1st start", "lst start", "1st wait", "med end", "end", "post-wait"
+    )
+    if per_launch:
+        print("per launch, us from the previous launch's last exit")
+        print(head)
+        for r in rows:
+            print(
+                fmt.format(
+                    r["launch"], r["name"], r["blocks"], r["sms"],
+                    r["first_start"] / 1e3, r["last_start"] / 1e3, r["first_wait"] / 1e3,
+                    r["median_end"] / 1e3, r["end"] / 1e3, r["post_wait_median"] / 1e3,
+                )
+            )
+    by_name = OrderedDict()
+    for r in rows:
+        by_name.setdefault(r["name"], []).append(r)
+    print("\nper launch name, mean us from the previous launch's last exit")
+    print(head + " {:>9}".format("us/step"))
+    total = 0.0
+    for name, rs in by_name.items():
+        def mean(k):
+            return statistics.mean(r[k] for r in rs) / 1e3
+        step = sum(r["end"] for r in rs) / 1e3
+        total += step
+        print(
+            fmt.format(
+                len(rs), name, rs[0]["blocks"], rs[0]["sms"], mean("first_start"),
+                mean("last_start"), mean("first_wait"), mean("median_end"), mean("end"),
+                mean("post_wait_median"),
+            )
+            + " {:>9.1f}".format(step)
+        )
+    first = min(b[0] for e in launches.values() for b in e["blocks"])
+    last = max(b[2] for e in launches.values() for b in e["blocks"])
+    print(f"\n{len(rows)} launches; step {(last - first) / 1e3:.1f} us from first start to last exit")
+    gaps = defaultdict(list)
+    for r in rows:
+        if r["first_wait"] == r["first_wait"]:
+            gaps[r["name"]].append(r["first_wait"])
+    print("release after the previous launch's last exit (first wait, us): "
+          + ", ".join(f"{n} {statistics.mean(v) / 1e3:.2f}" for n, v in gaps.items()))
+
+
+if __name__ == "__main__":
+    main()
