@@ -14,6 +14,9 @@ use crate::model::Model;
 /// Qwen3.6-35B-A3B's text configuration, for synthetic runs.
 const FULL_SIZE_CONFIG: &str = include_str!("../configs/qwen3.6-35b-a3b.json");
 
+/// Replays of the decode step before the traced one (`--trace`).
+const TRACE_WARMUP: usize = 8;
+
 /// What to benchmark.
 pub struct BenchArgs {
     pub model: Option<std::path::PathBuf>,
@@ -39,7 +42,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "--prompt and --gen must be positive"
     );
     let opts = CudaOptions {
-        max_context: args.prompt + args.generate + args.profile_steps + args.critical_path + 16,
+        max_context: args.prompt
+            + args.generate
+            + args.profile_steps
+            + args.critical_path
+            + args.trace.as_ref().map_or(0, |_| TRACE_WARMUP + 1)
+            + 2,
         max_sequences: 1,
         use_graphs: args.use_graphs,
         prefill_chunk: args.prefill_chunk,
@@ -88,7 +96,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         None
     };
     if let Some(path) = &args.trace {
-        let records = backend.decode_trace(&mut state, 8)?;
+        let records = backend.decode_trace(&mut state, TRACE_WARMUP)?;
         let mut csv = String::from("launch,name,block,sm,start_ns,waited_ns,end_ns\n");
         for r in &records {
             csv.push_str(&format!(

@@ -92,6 +92,19 @@ __device__ __forceinline__ float chunk_dot(uint4 u, const uint4* xs, int chunks,
 // ---- separate kernels -------------------------------------------------------------------
 constexpr int SEP_THREADS = 256, SEP_MAX_U = 8;
 
+// Requests this lane's chunks of `row` and their scale/bias pairs.
+__device__ __forceinline__ void load_row(const Layer& l, int row, int lane, uint4 (&u)[SEP_MAX_U],
+                                         __half2 (&sb)[SEP_MAX_U]) {
+    const int chunks = l.cols / 32, per_lane = chunks / 32;
+#pragma unroll
+    for (int j = 0; j < SEP_MAX_U; ++j)
+        if (j < per_lane) {
+            const int c = j * 32 + lane;
+            u[j] = l.w[(size_t)row * chunks + c];
+            sb[j] = l.sb[(size_t)row * (chunks / 2) + c / 2];
+        }
+}
+
 __global__ void __launch_bounds__(SEP_THREADS) separate_matvec(Layer l, const float* x, float* y) {
     extern __shared__ __align__(16) unsigned char smem[];
     uint4* xs = reinterpret_cast<uint4*>(smem);
@@ -102,14 +115,7 @@ __global__ void __launch_bounds__(SEP_THREADS) separate_matvec(Layer l, const fl
     const int stride = gridDim.x * warps;
     uint4 u[SEP_MAX_U];
     __half2 sb[SEP_MAX_U];
-    if (row < l.rows)
-#pragma unroll
-        for (int j = 0; j < SEP_MAX_U; ++j)
-            if (j < per_lane) {
-                const int c = j * 32 + lane;
-                u[j] = l.w[(size_t)row * chunks + c];
-                sb[j] = l.sb[(size_t)row * (chunks / 2) + c / 2];
-            }
+    if (row < l.rows) load_row(l, row, lane, u, sb);
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
     stage_x(x, l.cols, xs, xsum);
@@ -125,14 +131,7 @@ __global__ void __launch_bounds__(SEP_THREADS) separate_matvec(Layer l, const fl
         acc = warp_sum(acc);
         if (lane == 0) y[row] = acc;
         const int next = row + stride;
-        if (next < l.rows)
-#pragma unroll
-            for (int j = 0; j < SEP_MAX_U; ++j)
-                if (j < per_lane) {
-                    const int c = j * 32 + lane;
-                    u[j] = l.w[(size_t)next * chunks + c];
-                    sb[j] = l.sb[(size_t)next * (chunks / 2) + c / 2];
-                }
+        if (next < l.rows) load_row(l, next, lane, u, sb);
     }
 }
 

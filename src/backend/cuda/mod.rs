@@ -557,7 +557,9 @@ impl CudaBackend {
                 let records: usize = records
                     .parse()
                     .context("LILY_TRACE_RECORDS must be a number of block records")?;
-                Some(stream.alloc_zeros::<u64>(8 + 5 * records)?)
+                Some(stream.alloc_zeros::<u64>(
+                    timing::TRACE_HEADER_WORDS + timing::TRACE_RECORD_WORDS * records,
+                )?)
             }
             Err(_) => None,
         };
@@ -566,7 +568,10 @@ impl CudaBackend {
             .flat_map(|b| {
                 [
                     format!("LILY_TRACE_BUF={}ull", ptr(b, &stream)),
-                    format!("LILY_TRACE_CAP={}", (b.len() - 8) / 5),
+                    format!(
+                        "LILY_TRACE_CAP={}",
+                        (b.len() - timing::TRACE_HEADER_WORDS) / timing::TRACE_RECORD_WORDS
+                    ),
                 ]
             })
             .collect();
@@ -1035,6 +1040,12 @@ impl CudaBackend {
         .with_context(|| format!("launching `{name}`"))
     }
 
+    fn lock_slots(&self) -> Result<std::sync::MutexGuard<'_, Vec<Slot>>> {
+        self.slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))
+    }
+
     /// Runs one decode step for the state's slot (capturing its graph on first use).
     fn step(&self, state: &mut CudaState, token: u32, end: StepEnd) -> Result<()> {
         ensure!(
@@ -1048,10 +1059,7 @@ impl CudaBackend {
                 self.max_context
             );
         }
-        let mut slots = self
-            .slots
-            .lock()
-            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let mut slots = self.lock_slots()?;
         let slot = &mut slots[state.slot];
         if state.device_token != Some(token) {
             self.stream.memcpy_htod(&[token as i32], &mut slot.token)?;
@@ -1073,10 +1081,7 @@ impl CudaBackend {
 
     /// The token the last step chose on the device (it stays there as the next input).
     fn read_token(&self, state: &mut CudaState) -> Result<u32> {
-        let slots = self
-            .slots
-            .lock()
-            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let slots = self.lock_slots()?;
         let id = self.stream.clone_dtoh(&slots[state.slot].token)?[0] as u32;
         state.device_token = Some(id);
         Ok(id)
@@ -1137,10 +1142,7 @@ impl Backend for CudaBackend {
                 seed: draw.seed,
             };
             {
-                let mut slots = self
-                    .slots
-                    .lock()
-                    .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+                let mut slots = self.lock_slots()?;
                 self.stream
                     .memcpy_htod(&[desc], &mut slots[state.slot].sampling)?;
             }
@@ -1161,10 +1163,7 @@ impl Backend for CudaBackend {
             .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?
             .pop()
             .context("all CUDA sequence slots are in use")?;
-        let mut slots = self
-            .slots
-            .lock()
-            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let mut slots = self.lock_slots()?;
         let sl = &mut slots[slot];
         self.stream.memset_zeros(&mut sl.position)?;
         for c in &mut sl.conv {
@@ -1183,10 +1182,7 @@ impl Backend for CudaBackend {
 
     fn fork(&self, state: &CudaState) -> Result<CudaState> {
         let mut fork = self.new_state()?;
-        let mut slots = self
-            .slots
-            .lock()
-            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let mut slots = self.lock_slots()?;
         let (src, dst) = two_mut(&mut slots, state.slot, fork.slot);
         let s = &self.stream;
         s.memcpy_dtod(&src.position, &mut dst.position)?;

@@ -171,10 +171,7 @@ impl CudaBackend {
             state.position,
             self.max_context
         );
-        let slots = self
-            .slots
-            .lock()
-            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let slots = self.lock_slots()?;
         let slot = &slots[state.slot];
         // The step truncated after `limit` launches: microseconds per replay, launch names.
         let replay = |limit: usize| -> Result<(f64, Vec<&'static str>)> {
@@ -206,6 +203,11 @@ impl CudaBackend {
     }
 }
 
+/// The trace buffer's layout (common.cuh's `BlockTrace`): a header of 8 words (word 0: records
+/// written), then 5 words per record.
+pub(super) const TRACE_HEADER_WORDS: usize = 8;
+pub(super) const TRACE_RECORD_WORDS: usize = 5;
+
 /// One traced block of a replayed decode step (`CudaBackend::decode_trace`); times in
 /// nanoseconds from the earliest block's start.
 #[derive(Clone, Debug)]
@@ -232,10 +234,7 @@ impl CudaBackend {
             "tracing advances the sequence past the context limit of {}",
             self.max_context
         );
-        let slots = self
-            .slots
-            .lock()
-            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let slots = self.lock_slots()?;
         let slot = &slots[state.slot];
         self.prefix.begin(usize::MAX)?;
         let graph = self.capture_step(slot, StepEnd::Greedy);
@@ -258,17 +257,21 @@ impl CudaBackend {
     }
 }
 
-/// Decodes the trace buffer (word 0: records written; from word 8, five words per record: grid
-/// id, SM << 32 | block, start, end of wait or 0, exit): a launch is a grid id, and grid ids grow
+/// Decodes the trace buffer (each record: grid id, SM << 32 | block, start, end of wait or 0,
+/// exit): a launch is a grid id, and grid ids grow
 /// in launch order. Every launch of the step must be traced, so that there are as many grids as
 /// `names`.
 fn block_records(words: &[u64], names: &[&'static str]) -> Result<Vec<BlockRecord>> {
-    let (written, capacity) = (words[0] as usize, (words.len() - 8) / 5);
+    let capacity = (words.len() - TRACE_HEADER_WORDS) / TRACE_RECORD_WORDS;
+    let written = words[0] as usize;
     ensure!(
         written <= capacity,
         "the step wrote {written} block records, more than the {capacity} of LILY_TRACE_RECORDS"
     );
-    let raw: Vec<&[u64]> = words[8..8 + 5 * written].chunks(5).collect();
+    let raw: Vec<&[u64]> = words[TRACE_HEADER_WORDS..]
+        .chunks(TRACE_RECORD_WORDS)
+        .take(written)
+        .collect();
     let mut grids: Vec<u64> = raw.iter().map(|r| r[0]).collect();
     grids.sort_unstable();
     grids.dedup();

@@ -62,19 +62,11 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(lane < warps ? scratch[lane] : -INFINITY);
 }
 
-// Programmatic dependent launch (sm_90): the host launches every decode kernel so that it may
-// start while the previous kernel finishes. A kernel calls wait_for_previous_kernel() before it
-// reads anything the previous launch wrote and before it writes anything; after the wait it lets
-// the next kernel start. So when a kernel starts, the launch before the previous one has
-// finished and its writes are visible: before its wait a kernel may read its weights and
-// whatever was written two or more launches back (decode reads residual rows, cached keys and
-// values, the MoE's input that way), provided some block of the previous kernel waits (the next
-// launch starts once every block has waited or exited, so a kernel whose blocks all exited
-// without waiting would let it start early). Both are no-ops for an ordinary launch.
 #ifdef LILY_TRACE_BUF
 // Block timelines for `lily bench --trace` (compiled in only then): every traced block appends
 // (grid id, SM << 32 | block, start, end of its wait, exit) in %globaltimer nanoseconds to the
-// buffer at LILY_TRACE_BUF (word 0: records written, records from word 8, at most LILY_TRACE_CAP).
+// buffer at LILY_TRACE_BUF (word 0: records written, records from word 8, at most LILY_TRACE_CAP;
+// the layout timing.rs decodes).
 __shared__ unsigned long long trace_stamps[2];
 __shared__ unsigned int trace_exited;
 __shared__ unsigned long long trace_slot;
@@ -118,6 +110,15 @@ struct BlockTrace {
 #define TRACE_BLOCK()
 #endif
 
+// Programmatic dependent launch (sm_90): the host launches every decode kernel so that it may
+// start while the previous kernel finishes. A kernel calls wait_for_previous_kernel() before it
+// reads anything the previous launch wrote and before it writes anything; after the wait it lets
+// the next kernel start. So when a kernel starts, the launch before the previous one has
+// finished and its writes are visible: before its wait a kernel may read its weights and
+// whatever was written two or more launches back (decode reads residual rows, cached keys and
+// values, the MoE's input that way), provided some block of the previous kernel waits (the next
+// launch starts once every block has waited or exited, so a kernel whose blocks all exited
+// without waiting would let it start early). Both are no-ops for an ordinary launch.
 __device__ __forceinline__ void wait_for_previous_kernel() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #ifdef LILY_TRACE_BUF

@@ -251,10 +251,7 @@ impl CudaBackend {
             .lock()
             .map_err(|_| anyhow::anyhow!("prefill scratch lock poisoned"))?;
         let ps = &mut *guard;
-        let slots = self
-            .slots
-            .lock()
-            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))?;
+        let slots = self.lock_slots()?;
         let slot = &slots[state.slot];
         let s = &self.stream;
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
