@@ -7,7 +7,7 @@
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -102,10 +102,23 @@ pub fn compile(name: &str, src: &str, use_cache: bool, defines: &[String]) -> Re
     })?;
     if let Some(path) = &cached {
         // A cache that cannot be written only costs the next start a compilation.
-        let _ = std::fs::create_dir_all(path.parent().unwrap_or(path))
-            .and_then(|_| std::fs::write(path, ptx.to_src()));
+        let _ = write_atomically(path, &ptx.to_src());
     }
     Ok(ptx)
+}
+
+/// Writes `text` to a file of its own beside `path`, then renames it over `path`: processes
+/// starting side by side never read a half-written cache entry.
+fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(path);
+    std::fs::create_dir_all(dir)?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
 }
 
 /// `lily kernels --check`: compiles every module without the cache; reports and fails on errors.
@@ -154,4 +167,26 @@ pub fn compile_all(defines: &[String]) -> Result<Vec<(&'static str, Ptx)>> {
             ))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_entries_are_replaced_whole_and_leave_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub").join("module-0123.ptx");
+        write_atomically(&path, "first").unwrap();
+        write_atomically(&path, "second, longer than the first").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "second, longer than the first"
+        );
+        let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("module-0123.ptx")]);
+    }
 }
