@@ -141,6 +141,27 @@ fn device_argmax_matches_host_argmax_and_forks_continue_identically() {
     gpu.new_state().expect("a dropped state frees its slot");
 }
 
+/// A cached module the driver cannot load (a damaged file) is compiled again, not an error.
+#[test]
+fn damaged_kernel_cache_entries_are_compiled_again() {
+    let dir = &fixtures()[0];
+    let model = Model::load(dir).unwrap();
+    let prompt = &prompts(dir)[0];
+    let before = all_logits(&cuda(&model, 1), prompt);
+    let cache = lily::backend::cuda::kernels::cache_dir().expect("a kernel cache directory");
+    let mut damaged = 0;
+    for entry in std::fs::read_dir(&cache).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "ptx") {
+            std::fs::write(&path, "not PTX").unwrap();
+            damaged += 1;
+        }
+    }
+    assert!(damaged > 0, "no cached modules in {}", cache.display());
+    let after = all_logits(&cuda(&model, 1), prompt);
+    assert_eq!(before, after);
+}
+
 #[test]
 fn context_limit_is_an_error() {
     let dir = &fixtures()[0];

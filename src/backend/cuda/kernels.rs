@@ -43,7 +43,8 @@ pub fn include_dir() -> PathBuf {
     PathBuf::from("/usr/local/cuda/include")
 }
 
-fn cache_dir() -> Option<PathBuf> {
+/// Where compiled modules are cached (`None`: nowhere to cache, every start compiles).
+pub fn cache_dir() -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os("LILY_CACHE_DIR") {
         return Some(PathBuf::from(dir));
     }
@@ -167,6 +168,16 @@ pub fn compile_all(defines: &[String]) -> Result<Vec<(&'static str, Ptx)>> {
             ))
         })
         .collect()
+}
+
+/// Compiles module `name` again, bypassing and then replacing its cache entry: for a cached PTX
+/// file the driver would not load (damaged on disk, or from another toolchain).
+pub fn recompile(name: &str, defines: &[String]) -> Result<Ptx> {
+    let (_, src) = MODULES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .with_context(|| format!("no kernel module `{name}`"))?;
+    compile(name, src, false, defines)
 }
 
 #[cfg(test)]

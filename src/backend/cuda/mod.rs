@@ -578,9 +578,12 @@ impl CudaBackend {
         let block_trace = block_trace.map(Mutex::new);
         let mut functions = std::collections::HashMap::new();
         for (name, ptx) in kernels::compile_all(&defines)? {
-            let module = ctx
-                .load_module(ptx)
-                .with_context(|| format!("loading kernel module `{name}`"))?;
+            let module = match ctx.load_module(ptx) {
+                Ok(module) => module,
+                Err(_) => ctx
+                    .load_module(kernels::recompile(name, &defines)?)
+                    .with_context(|| format!("loading kernel module `{name}`"))?,
+            };
             for f in kernel_names(name) {
                 functions.insert(*f, module.load_function(f)?);
             }
