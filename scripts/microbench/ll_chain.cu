@@ -11,23 +11,7 @@
 // Products given as ROWSxCOLS,... (repeated to 40; each product reads the first COLS outputs of
 // the one before), weights in 16-byte chunks of 32 nibbles, a half2 scale/bias per 64 values.
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o ll_chain ll_chain.cu && ./ll_chain 4096x2048,2048x4096
-#include <cuda_fp16.h>
-#include <cstdio>
-#include <cstdlib>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
-#include <cmath>
-
-#define CHECK(x)                                                                               \
-    do {                                                                                       \
-        cudaError_t e = (x);                                                                   \
-        if (e != cudaSuccess) {                                                                \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));           \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include "chain_common.cuh"
 
 // How the pairs are stored and polled: `volatile` (relaxed, system scope, as NCCL's LL) or, with
 // -DPAIR_SCOPE='"relaxed.gpu"', relaxed at GPU scope.
@@ -36,66 +20,6 @@
 #endif
 
 constexpr int PRODUCTS = 40, THREADS = 256, MAX_U = 8, MAX_COLS = 8192;
-
-struct Layer {
-    const uint4* w;      // [rows][cols / 32] chunks
-    const __half2* sb;   // [rows][cols / 64] (scale, bias)
-    int rows, cols;
-};
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// x staged as half2 pairs in the order the nibble extraction yields them: for chunk c, word k,
-// i < 4: (x[32c + 8k + i], x[32c + 8k + i + 4]), the four pairs of (c, k) as one 16-byte entry at
-// k * chunks + c (lanes reading consecutive chunks hit distinct banks); plus each chunk's sum of x
-// (for the bias).
-__device__ void stage_x(const float* x, int cols, uint4* xs, float* xsum) {
-    const int chunks = cols / 32;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        const float4* x4 = reinterpret_cast<const float4*>(x + 32 * c);
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float4 lo = __ldcg(x4 + 2 * k), hi = __ldcg(x4 + 2 * k + 1);
-            const __half2 p0 = __floats2half2_rn(lo.x, hi.x), p1 = __floats2half2_rn(lo.y, hi.y);
-            const __half2 p2 = __floats2half2_rn(lo.z, hi.z), p3 = __floats2half2_rn(lo.w, hi.w);
-            uint4 e;
-            e.x = *reinterpret_cast<const uint32_t*>(&p0);
-            e.y = *reinterpret_cast<const uint32_t*>(&p1);
-            e.z = *reinterpret_cast<const uint32_t*>(&p2);
-            e.w = *reinterpret_cast<const uint32_t*>(&p3);
-            xs[k * chunks + c] = e;
-            s += (lo.x + lo.y) + (lo.z + lo.w) + (hi.x + hi.y) + (hi.z + hi.w);
-        }
-        xsum[c] = s;
-    }
-}
-
-// One chunk's 32 products: scale * sum(q x) + bias * sum(x).
-__device__ __forceinline__ float chunk_dot(uint4 u, const uint4* xs, int chunks, int c, float xsum, __half2 sb) {
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    __half2 acc = __float2half2_rn(0.0f);
-    const __half2 magic = __float2half2_rn(1024.0f);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const uint4 xv = xs[k * chunks + c];
-        const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t t = ((w[k] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
-            const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&t), magic);
-            acc = __hfma2(q, *reinterpret_cast<const __half2*>(&xw[i]), acc);
-        }
-    }
-    const float2 a = __half22float2(acc);
-    const float2 s = __half22float2(sb);
-    return s.x * (a.x + a.y) + s.y * xsum;
-}
-
 
 // x staged from (value, epoch) pairs: polls each 32-value chunk until all its epochs are `epoch`.
 __device__ void stage_x_flagged(const uint2* x, int cols, uint32_t epoch, bool backoff, uint4* xs, float* xsum) {
@@ -118,34 +42,8 @@ __device__ void stage_x_flagged(const uint2* x, int cols, uint32_t epoch, bool b
             if (ok) break;
             if (backoff) __nanosleep(200);
         }
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float* lo = v + 8 * k;
-            const __half2 p0 = __floats2half2_rn(lo[0], lo[4]), p1 = __floats2half2_rn(lo[1], lo[5]);
-            const __half2 p2 = __floats2half2_rn(lo[2], lo[6]), p3 = __floats2half2_rn(lo[3], lo[7]);
-            uint4 e;
-            e.x = *reinterpret_cast<const uint32_t*>(&p0);
-            e.y = *reinterpret_cast<const uint32_t*>(&p1);
-            e.z = *reinterpret_cast<const uint32_t*>(&p2);
-            e.w = *reinterpret_cast<const uint32_t*>(&p3);
-            xs[k * chunks + c] = e;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s += lo[i];
-        }
-        xsum[c] = s;
+        stage_chunk(v, chunks, c, xs, xsum);
     }
-}
-
-__device__ __forceinline__ void load_row(const Layer& l, int row, int lane, uint4 (&u)[MAX_U], __half2 (&sb)[MAX_U]) {
-    const int chunks = l.cols / 32, per_lane = chunks / 32;
-#pragma unroll
-    for (int j = 0; j < MAX_U; ++j)
-        if (j < per_lane) {
-            const int c = j * 32 + lane;
-            u[j] = l.w[(size_t)row * chunks + c];
-            sb[j] = l.sb[(size_t)row * (chunks / 2) + c / 2];
-        }
 }
 
 // mode 0: wait; 1: wait-early; 2: flagged; 3: flagged, dependents launched once x is staged (so
@@ -213,20 +111,6 @@ __global__ void bump_step(unsigned* step) {
 // Copies the last flagged product's values out (for the comparison).
 __global__ void unpack(const uint2* yf, float* y, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = __uint_as_float(yf[i].x);
-}
-
-__global__ void fill_weights(uint4* w, __half2* sb, size_t chunks, size_t groups, int cols, uint32_t seed) {
-    const float scale = 2.0f / (15.0f * sqrtf((float)cols));
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < chunks; i += (size_t)gridDim.x * blockDim.x) {
-        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-        uint32_t v[4];
-        for (int k = 0; k < 4; ++k) {
-            h ^= h << 13; h ^= h >> 17; h ^= h << 5;
-            v[k] = h;
-        }
-        w[i] = make_uint4(v[0], v[1], v[2], v[3]);
-        if (i < groups) sb[i] = __floats2half2_rn(scale, -7.5f * scale);
-    }
 }
 
 int main(int argc, char** argv) {
