@@ -33,6 +33,61 @@ pub struct BenchArgs {
     pub trace: Option<std::path::PathBuf>,
     /// Prompt tokens per prefill chunk (`CudaOptions::prefill_chunk`).
     pub prefill_chunk: usize,
+    /// Sequences decoded together in a second decode measurement (1: none).
+    pub batch: usize,
+}
+
+/// A batched decode measurement: `batch` sequences, each with its own prompt, one token of each
+/// per step.
+struct BatchedDecode {
+    batch: usize,
+    steps: usize,
+    seconds: f64,
+}
+
+impl BatchedDecode {
+    fn tok_s(&self) -> f64 {
+        (self.batch * self.steps) as f64 / self.seconds
+    }
+
+    fn step_ms(&self) -> f64 {
+        self.seconds * 1e3 / self.steps as f64
+    }
+}
+
+/// Prefills `batch` sequences with distinct prompts of `prompt_len` tokens, then times `steps`
+/// greedy decode steps of all of them together (after one untimed step, which captures the
+/// batch's graph).
+fn batched_decode(
+    backend: &CudaBackend,
+    batch: usize,
+    prompt_len: usize,
+    steps: usize,
+) -> Result<BatchedDecode> {
+    let vocab = backend.config().vocab_size as u32;
+    let mut states = Vec::with_capacity(batch);
+    let mut tokens = Vec::with_capacity(batch);
+    for b in 0..batch as u32 {
+        let prompt: Vec<u32> = (0..prompt_len as u32)
+            .map(|i| (i.wrapping_add(b * 7919).wrapping_mul(2_654_435_761) >> 7) % vocab)
+            .collect();
+        let mut state = backend.new_state()?;
+        let logits = backend.prefill(&mut state, &prompt, LogitsFor::Last)?;
+        tokens.push(crate::backend::argmax(&logits));
+        states.push(state);
+    }
+    let mut refs: Vec<&mut _> = states.iter_mut().collect();
+    tokens = backend.decode_greedy(&mut refs, &tokens)?;
+    backend.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..steps {
+        tokens = backend.decode_greedy(&mut refs, &tokens)?;
+    }
+    Ok(BatchedDecode {
+        batch,
+        steps,
+        seconds: start.elapsed().as_secs_f64(),
+    })
 }
 
 /// Runs the benchmark and prints a report (human-readable lines, then one JSON line).
@@ -48,7 +103,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             + args.critical_path
             + args.trace.as_ref().map_or(0, |_| TRACE_WARMUP + 1)
             + 2,
-        max_sequences: 1,
+        max_sequences: args.batch.max(1),
         use_graphs: args.use_graphs,
         prefill_chunk: args.prefill_chunk,
     };
@@ -126,6 +181,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         })?;
     }
     drop(state);
+    let batched = if args.batch > 1 {
+        Some(batched_decode(
+            &backend,
+            args.batch,
+            args.prompt,
+            args.generate - 1,
+        )?)
+    } else {
+        None
+    };
 
     // A second prefill, with the parts timed on the GPU (events cost a little, so not the first),
     // inside a profiler range (`ncu --profile-from-start off` records only this prefill and the
@@ -201,6 +266,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         achieved / 1e9,
         100.0 * achieved / copy_bw
     );
+    if let Some(b) = &batched {
+        println!(
+            "decode batch {:<5} {:.1} tok/s in all, {:.1} per sequence ({:.3} ms/step) at \
+             ~{context} context each",
+            b.batch,
+            b.tok_s(),
+            b.tok_s() / b.batch as f64,
+            b.step_ms()
+        );
+    }
     if let Some((shares, step_us)) = &critical {
         println!("decode critical path, per kernel (step {step_us:.1} us replayed):");
         for share in shares {
@@ -236,6 +311,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "gpu_memory_gb": used as f64 / 1e9,
             "weights_gb": backend.weight_bytes() as f64 / 1e9,
             "last_token": token,
+            "batch": args.batch,
+            "batch_decode_tok_s": batched.as_ref().map(BatchedDecode::tok_s),
+            "batch_step_ms": batched.as_ref().map(BatchedDecode::step_ms),
         })
     );
     Ok(())

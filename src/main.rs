@@ -99,6 +99,10 @@ enum Command {
         #[arg(long, default_value_t = lily::backend::cuda::DEFAULT_PREFILL_CHUNK as u32,
               value_parser = clap::value_parser!(u32).range(1..))]
         prefill_chunk: u32,
+        /// Also time decode of this many sequences at once (each with its own prompt of
+        /// --prompt tokens), one token of each per step.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+        batch: u32,
     },
     /// Serve an OpenAI-compatible API (without --model, the embedded demo model).
     Serve(ServeArgs),
@@ -391,6 +395,7 @@ fn run(cli: Cli) -> Result<()> {
             critical_path,
             trace,
             prefill_chunk,
+            batch,
         } => {
             use lily::backend::cuda::weights::WeightFormat;
             anyhow::ensure!(
@@ -412,6 +417,7 @@ fn run(cli: Cli) -> Result<()> {
                 critical_path,
                 trace,
                 prefill_chunk: prefill_chunk as usize,
+                batch: batch as usize,
             })?;
         }
     }

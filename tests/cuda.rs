@@ -638,3 +638,130 @@ fn decode_attention_matches_an_f64_softmax_over_the_cache() {
         }
     }
 }
+
+/// What one sequence produces on its own from `prompt`: its greedy ids, the logits of each
+/// step, and the ids sampled with `seed` from the same start.
+struct AloneRun {
+    greedy: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    sampled: Vec<u32>,
+}
+
+/// The entries of `states` at the indices `members` lists.
+fn members_of<'a, T>(states: &'a mut [T], members: &[usize]) -> Vec<&'a mut T> {
+    states
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| members.contains(i))
+        .map(|(_, s)| s)
+        .collect()
+}
+
+fn sample_draw(seed: u64, vocab: usize) -> DeviceDraw {
+    DeviceDraw {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.0,
+        allowed: vocab,
+        seed,
+    }
+}
+
+fn alone(gpu: &CudaBackend, prompt: &[u32], steps: usize, seed: u64) -> AloneRun {
+    let vocab = gpu.config().vocab_size;
+    let mut greedy_state = gpu.new_state().unwrap();
+    let first = argmax(
+        &gpu.prefill(&mut greedy_state, prompt, LogitsFor::Last)
+            .unwrap(),
+    );
+    let mut logits_state = gpu.fork(&greedy_state).unwrap();
+    let mut sampled_state = gpu.fork(&greedy_state).unwrap();
+    let mut run = AloneRun {
+        greedy: vec![first],
+        logits: Vec::new(),
+        sampled: vec![first],
+    };
+    for step in 0..steps {
+        let last = *run.greedy.last().unwrap();
+        run.greedy.push(
+            gpu.decode_greedy(&mut [&mut greedy_state], &[last])
+                .unwrap()[0],
+        );
+        run.logits
+            .push(gpu.decode(&mut [&mut logits_state], &[last]).unwrap());
+        let last = *run.sampled.last().unwrap();
+        let draw = sample_draw(seed + step as u64, vocab);
+        run.sampled.push(
+            gpu.decode_sample(&mut [&mut sampled_state], &[last], &[draw])
+                .unwrap()[0],
+        );
+    }
+    run
+}
+
+/// A batched decode step (a token of each of several sequences in one pass) computes for every
+/// sequence exactly what its own step computes: the same greedy ids, bit-identical logits and
+/// the same sampled ids, with prompts of different lengths (so different positions and
+/// contexts), in batches whose members change (a sequence leaving mid-way, so the batch tables
+/// are rewritten and another batch size's graph is captured), on bf16 and 4-bit weights.
+#[test]
+fn batched_decode_matches_each_sequence_decoded_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = &fixtures()[0];
+    for model_dir in [
+        dir.clone(),
+        quantized_fixture(&tmp.path().join("q4"), 4, 64),
+    ] {
+        let model = Model::load(&model_dir).unwrap();
+        let vocab = model.config.vocab_size as u32;
+        let gpu = cuda(&model, 12);
+        let mut batch_prompts = prompts(dir);
+        batch_prompts.push((0..40).map(|i| (i * 37 + 11) % vocab).collect());
+        batch_prompts.push(vec![3]);
+        let steps = 10;
+        let runs: Vec<AloneRun> = batch_prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| alone(&gpu, p, steps, 1000 * i as u64))
+            .collect();
+
+        let mut greedy = Vec::new();
+        for p in &batch_prompts {
+            let mut s = gpu.new_state().unwrap();
+            gpu.prefill(&mut s, p, LogitsFor::Last).unwrap();
+            greedy.push(s);
+        }
+        let mut logits_states: Vec<_> = greedy.iter().map(|s| gpu.fork(s).unwrap()).collect();
+        let mut sampled: Vec<_> = greedy.iter().map(|s| gpu.fork(s).unwrap()).collect();
+        // Sequence 1 leaves the batch after this many steps.
+        let leaves = 4;
+        for step in 0..steps {
+            let members: Vec<usize> = (0..batch_prompts.len())
+                .filter(|&i| i != 1 || step < leaves)
+                .collect();
+            let pick = |states| members_of(states, &members);
+            let tokens: Vec<u32> = members.iter().map(|&i| runs[i].greedy[step]).collect();
+            let ids = gpu.decode_greedy(&mut pick(&mut greedy), &tokens).unwrap();
+            let logits = gpu.decode(&mut pick(&mut logits_states), &tokens).unwrap();
+            let sampled_tokens: Vec<u32> = members.iter().map(|&i| runs[i].sampled[step]).collect();
+            let draws: Vec<DeviceDraw> = members
+                .iter()
+                .map(|&i| sample_draw(1000 * i as u64 + step as u64, vocab as usize))
+                .collect();
+            let drawn = gpu
+                .decode_sample(&mut pick(&mut sampled), &sampled_tokens, &draws)
+                .unwrap();
+            for (row, &i) in members.iter().enumerate() {
+                let label = format!("{}, sequence {i}, step {step}", model_dir.display());
+                assert_eq!(ids[row], runs[i].greedy[step + 1], "greedy id: {label}");
+                let row_logits = &logits[row * vocab as usize..(row + 1) * vocab as usize];
+                assert!(
+                    row_logits == runs[i].logits[step].as_slice(),
+                    "logits: {label}"
+                );
+                assert_eq!(drawn[row], runs[i].sampled[step + 1], "sampled id: {label}");
+            }
+        }
+    }
+}

@@ -1,37 +1,69 @@
 //! The decode step: what one token's pass through the model launches, recorded once per
-//! sequence slot and replayed as a CUDA graph. Its layer parts (the DeltaNet step, attention
-//! through the context splits, the MoE kernels) also serve prefill for weights the tensor-core
-//! products do not take, with the chunk's tokens along a grid dimension.
+//! sequence slot, or once per batch size for batched steps (a token of each of several
+//! sequences, a grid row each, their buffers looked up in the batch tables), and replayed as a
+//! CUDA graph. Its layer parts (the DeltaNet step, attention through the context splits, the
+//! MoE kernels) also serve prefill for weights the tensor-core products do not take, with the
+//! chunk's tokens along a grid dimension.
 
 use anyhow::{Context, Result, ensure};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::weights::{self, DeviceMixer, ptr};
 use super::{
     ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
-    AttentionBuffers, AttentionDims, AttentionSplits, COMBINE_DIMS, COMBINE_PARTS, CudaBackend,
-    DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape, GATE_UP_ROWS_PER_WARP,
-    MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot, StepEnd, arg,
-    attention_tile_row, cfg, staged_bytes,
+    AttentionBuffers, AttentionDims, AttentionSeqs, AttentionSplits, BatchTables, COMBINE_DIMS,
+    COMBINE_PARTS, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape,
+    GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot,
+    StepEnd, arg, attention_tile_row, cfg, staged_bytes,
 };
 
+/// Whose tokens a recorded decode step carries.
+#[derive(Clone, Copy)]
+pub(super) enum StepSeqs<'a> {
+    /// One slot's: its buffers are the launches' arguments.
+    Slot(&'a Slot),
+    /// The sequences of the first `rows` rows of the batch tables, a grid row each: the kernels
+    /// look their buffers up in the tables.
+    Batch(&'a BatchTables, usize),
+}
+
+impl StepSeqs<'_> {
+    fn rows(&self) -> usize {
+        match self {
+            Self::Slot(_) => 1,
+            Self::Batch(_, rows) => *rows,
+        }
+    }
+
+    /// The slot's own buffer (`own`), or 0 and the table column `field` for a batch.
+    fn buffer(&self, own: impl FnOnce(&Slot) -> u64, field: usize, s: &CudaStream) -> (u64, u64) {
+        match self {
+            Self::Slot(slot) => (own(slot), 0),
+            Self::Batch(tables, _) => (0, tables.column(field, s)),
+        }
+    }
+}
+
 impl CudaBackend {
-    /// Issues one decode step for `slot` on the stream (for capture into a graph).
-    pub(super) fn record_step(&self, slot: &Slot, end: StepEnd) -> Result<()> {
+    /// Issues one decode step for `seqs` on the stream (for capture into a graph).
+    pub(super) fn record_step(&self, seqs: StepSeqs, end: StepEnd) -> Result<()> {
         let (c, s, sc, m) = (&self.config, &self.stream, &self.scratch, &self.model);
         let p = |x: &CudaSlice<f32>| ptr(x, s);
         let (x, proj, core) = (p(&sc.x), p(&sc.proj), p(&sc.core));
-        let position = ptr(&slot.position, s);
-        let token = ptr(&slot.token, s);
+        let rows = seqs.rows();
+        let (position, position_of) =
+            seqs.buffer(|slot| ptr(&slot.position, s), BatchTables::POSITION, s);
+        let (token, token_of) = seqs.buffer(|slot| ptr(&slot.token, s), BatchTables::TOKEN, s);
 
         let embed = m.embed.desc(s);
-        // SAFETY: x holds hidden_size floats; the token is checked on the host.
+        // SAFETY: x holds a row of hidden_size floats per sequence; the tokens are checked on
+        // the host.
         unsafe {
             self.launch(
                 "embed",
                 &self.k.embed,
-                cfg(c.hidden_size.div_ceil(256) as u32, 1, 256, 0),
-                &mut [arg(&embed), arg(&token), arg(&x)],
+                cfg(c.hidden_size.div_ceil(256) as u32, rows as u32, 256, 0),
+                &mut [arg(&embed), arg(&token), arg(&x), arg(&token_of)],
             )
         }?;
 
@@ -63,13 +95,19 @@ impl CudaBackend {
                         Some(p(&layer.input_norm)),
                         proj,
                         false,
-                        1,
+                        rows,
                     )?;
                     let weights = [conv_w, a_log, dt_bias, norm];
-                    let gdn_layer =
-                        DeltaNetParams::new(&gdn_dims, weights, slot, gdn_i, proj, core, s);
-                    self.deltanet_step(&gdn_layer, 1)?;
-                    self.matvec("out_proj", out_proj, core, None, x, true, 1)?;
+                    let gdn_layer = match seqs {
+                        StepSeqs::Slot(slot) => {
+                            DeltaNetParams::new(&gdn_dims, weights, slot, gdn_i, proj, core, s)
+                        }
+                        StepSeqs::Batch(tables, _) => DeltaNetParams::batched(
+                            &gdn_dims, weights, tables, gdn_i, proj, core, s,
+                        ),
+                    };
+                    self.deltanet_step(&gdn_layer, 1, rows)?;
+                    self.matvec("out_proj", out_proj, core, None, x, true, rows)?;
                     gdn_i += 1;
                 }
                 DeviceMixer::Attention {
@@ -78,20 +116,28 @@ impl CudaBackend {
                     q_norm,
                     k_norm,
                 } => {
-                    self.matvec("qkv", qkv, x, Some(p(&layer.input_norm)), proj, false, 1)?;
+                    self.matvec("qkv", qkv, x, Some(p(&layer.input_norm)), proj, false, rows)?;
                     let norms = [q_norm, k_norm];
-                    let attn = AttentionBuffers::new(norms, slot, attn_i, proj, p(&sc.q), core, s);
+                    let q = p(&sc.q);
+                    let attn = match seqs {
+                        StepSeqs::Slot(slot) => {
+                            AttentionBuffers::new(norms, slot, attn_i, proj, q, core, s)
+                        }
+                        StepSeqs::Batch(tables, _) => {
+                            AttentionBuffers::batched(norms, tables, attn_i, proj, q, core, s)
+                        }
+                    };
                     let splits = AttentionSplits {
                         max: p(&sc.part_max),
                         sum: p(&sc.part_sum),
                         out: p(&sc.part_out),
                     };
-                    self.attention(&attn_dims, &attn, &splits, 1)?;
-                    self.matvec("o_proj", o_proj, core, None, x, true, 1)?;
+                    self.attention(&attn_dims, &attn, &splits, rows)?;
+                    self.matvec("o_proj", o_proj, core, None, x, true, rows)?;
                     attn_i += 1;
                 }
             }
-            self.moe(layer, &moe_buffers, x, 1)?;
+            self.moe(layer, &moe_buffers, x, rows)?;
         }
         let logits = p(&sc.logits);
         self.matvec(
@@ -101,58 +147,76 @@ impl CudaBackend {
             Some(p(&m.final_norm)),
             logits,
             false,
-            1,
+            rows,
         )?;
         let n = c.vocab_size as i32;
+        let chosen = match seqs {
+            StepSeqs::Slot(_) => 0,
+            StepSeqs::Batch(..) => ptr(&sc.chosen, s),
+        };
         match end {
             StepEnd::Greedy => {
                 let (av, ai) = (p(&sc.arg_val), ptr(&sc.arg_idx, s));
-                // SAFETY: partial buffers hold ARGMAX_BLOCKS entries.
+                // SAFETY: partial buffers hold ARGMAX_BLOCKS entries per row.
                 unsafe {
                     self.launch(
                         "argmax_partial",
                         &self.k.argmax_partial,
-                        cfg(ARGMAX_BLOCKS as u32, 1, 256, 0),
+                        cfg(ARGMAX_BLOCKS as u32, rows as u32, 256, 0),
                         &mut [arg(&logits), arg(&n), arg(&av), arg(&ai)],
                     )
                 }?;
                 let parts = ARGMAX_BLOCKS as i32;
-                // SAFETY: one warp over the partials.
+                // SAFETY: one warp over each row's partials; chosen holds a row each.
                 unsafe {
                     self.launch(
                         "argmax_final",
                         &self.k.argmax_final,
-                        cfg(1, 1, 32, 0),
-                        &mut [arg(&av), arg(&ai), arg(&parts), arg(&token), arg(&position)],
+                        cfg(1, rows as u32, 32, 0),
+                        &mut [
+                            arg(&av),
+                            arg(&ai),
+                            arg(&parts),
+                            arg(&token),
+                            arg(&position),
+                            arg(&token_of),
+                            arg(&position_of),
+                            arg(&chosen),
+                        ],
                     )
                 }?;
             }
             StepEnd::Sampled => {
-                let desc = ptr(&slot.sampling, s);
-                // SAFETY: one block over the vocabulary's logits; desc is the slot's settings.
+                let (desc, desc_of) =
+                    seqs.buffer(|slot| ptr(&slot.sampling, s), BatchTables::SAMPLING, s);
+                // SAFETY: one block over each row's logits; desc is the slot's settings.
                 unsafe {
                     self.launch(
                         "sample_token",
                         &self.k.sample_token,
-                        cfg(1, 1, SAMPLE_THREADS, 0),
+                        cfg(1, rows as u32, SAMPLE_THREADS, 0),
                         &mut [
                             arg(&logits),
                             arg(&n),
                             arg(&desc),
                             arg(&token),
                             arg(&position),
+                            arg(&desc_of),
+                            arg(&token_of),
+                            arg(&position_of),
+                            arg(&chosen),
                         ],
                     )
                 }?;
             }
             StepEnd::Logits => {
-                // SAFETY: one thread increments the slot's position.
+                // SAFETY: one thread per row increments its sequence's position.
                 unsafe {
                     self.launch(
                         "advance_position",
                         &self.k.advance_position,
-                        cfg(1, 1, 1, 0),
-                        &mut [arg(&position), arg(&ONE_TOKEN)],
+                        cfg(1, rows as u32, 1, 0),
+                        &mut [arg(&position), arg(&ONE_TOKEN), arg(&position_of)],
                     )
                 }?;
             }
@@ -161,23 +225,31 @@ impl CudaBackend {
     }
 
     /// One DeltaNet layer's recurrence for `tokens` tokens with `deltanet_step` (conv, norms,
-    /// gates, state update and gated norm, token by token inside the kernel).
-    pub(super) fn deltanet_step(&self, l: &DeltaNetParams, tokens: usize) -> Result<()> {
+    /// gates, state update and gated norm, token by token inside the kernel), for each of `rows`
+    /// sequences of a batch (one token each) or for the one sequence of `l`.
+    pub(super) fn deltanet_step(
+        &self,
+        l: &DeltaNetParams,
+        tokens: usize,
+        rows: usize,
+    ) -> Result<()> {
         let c = &self.config;
         let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
         let tokens = tokens as i32;
-        // SAFETY: shapes checked at construction; proj and out hold a row per token; the grid is
-        // whole clusters.
+        let mut launch = cfg(
+            (c.linear_num_value_heads * gdn.splits) as u32,
+            1,
+            gdn.threads as u32,
+            gdn.smem as u32,
+        );
+        launch.grid_dim.2 = rows as u32;
+        // SAFETY: shapes checked at construction; proj and out hold a row per token (or
+        // sequence); the grid is whole clusters.
         unsafe {
             self.launch_clusters(
                 "deltanet_step",
                 &self.k.deltanet_step,
-                cfg(
-                    (c.linear_num_value_heads * gdn.splits) as u32,
-                    1,
-                    gdn.threads as u32,
-                    gdn.smem as u32,
-                ),
+                launch,
                 gdn.splits as u32,
                 &mut [
                     arg(l.dims),
@@ -191,6 +263,7 @@ impl CudaBackend {
                     arg(&l.position),
                     arg(&tokens),
                     arg(&l.out),
+                    arg(&l.seqs),
                 ],
             )
         }?;
@@ -227,6 +300,7 @@ impl CudaBackend {
                     arg(&b.q),
                     arg(&b.k_cache),
                     arg(&b.v_cache),
+                    arg(&b.seqs),
                 ],
             )
         }
@@ -280,6 +354,7 @@ impl CudaBackend {
                     arg(&parts.max),
                     arg(&parts.sum),
                     arg(&parts.out),
+                    arg(&b.seqs),
                 ],
             )?;
             let mut combine = cfg(
@@ -301,6 +376,7 @@ impl CudaBackend {
                     arg(&parts.sum),
                     arg(&parts.out),
                     arg(&b.out),
+                    arg(&b.seqs.position),
                 ],
             )?;
         }
@@ -365,6 +441,7 @@ impl CudaBackend {
             k_cache: ptr(&k_cache, s),
             v_cache: ptr(&v_cache, s),
             out: ptr(&out, s),
+            seqs: AttentionSeqs::default(),
         };
         let parts = AttentionSplits {
             max: ptr(&max, s),

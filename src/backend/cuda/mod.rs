@@ -21,6 +21,8 @@ mod prefill;
 pub mod timing;
 pub mod weights;
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -35,6 +37,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
+use self::decode::StepSeqs;
 use self::weights::{DeviceModel, DeviceWeight, WeightFormat, ptr};
 use super::{Backend, DeviceDraw, LogitsFor};
 use crate::config::{LayerKind, ModelConfig};
@@ -42,6 +45,8 @@ use crate::model::Model;
 
 /// The token count of a decode step's launches (kernels that also take a prefill chunk).
 const ONE_TOKEN: i32 = 1;
+/// A batch table argument of a launch for one sequence: none (see `seq_buffer` in common.cuh).
+const NO_TABLE: u64 = 0;
 /// Threads of a mat-vec block (8 warps); also of the MoE blocks.
 const MATVEC_THREADS: u32 = 256;
 /// Resident `matvec` blocks per SM (its launch bounds allow three): one wave of persistent blocks.
@@ -178,7 +183,27 @@ impl MoeDims {
     }
 }
 
-/// The buffers of one DeltaNet layer's launches (device addresses).
+/// `struct DeltaNetSeqs` in deltanet.cu: the batch tables' columns of one DeltaNet layer (device
+/// addresses of `rows` addresses each), all 0 for a single sequence.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct DeltaNetSeqs {
+    conv: u64,
+    state: u64,
+    position: u64,
+}
+
+/// `struct AttentionSeqs` in attention.cu: as `DeltaNetSeqs`, for an attention layer.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AttentionSeqs {
+    position: u64,
+    k_cache: u64,
+    v_cache: u64,
+}
+
+/// The buffers of one DeltaNet layer's launches (device addresses). A batched step's have no
+/// conv ring, state or position of their own (0): the kernels find each sequence's in `seqs`.
 struct DeltaNetParams<'a> {
     dims: &'a DeltaNetDims,
     proj: u64,
@@ -190,6 +215,7 @@ struct DeltaNetParams<'a> {
     state: u64,
     position: u64,
     out: u64,
+    seqs: DeltaNetSeqs,
 }
 
 impl<'a> DeltaNetParams<'a> {
@@ -216,11 +242,43 @@ impl<'a> DeltaNetParams<'a> {
             state: p(&slot.recurrent[i]),
             position: ptr(&slot.position, s),
             out,
+            seqs: DeltaNetSeqs::default(),
+        }
+    }
+
+    /// The `i`-th DeltaNet layer of a batched step over the sequences `tables` holds.
+    fn batched(
+        dims: &'a DeltaNetDims,
+        [conv_w, a_log, dt_bias, norm]: [&CudaSlice<f32>; 4],
+        tables: &BatchTables,
+        i: usize,
+        proj: u64,
+        out: u64,
+        s: &CudaStream,
+    ) -> Self {
+        let p = |x: &CudaSlice<f32>| ptr(x, s);
+        Self {
+            dims,
+            proj,
+            conv: 0,
+            conv_w: p(conv_w),
+            a_log: p(a_log),
+            dt_bias: p(dt_bias),
+            norm: p(norm),
+            state: 0,
+            position: 0,
+            out,
+            seqs: DeltaNetSeqs {
+                conv: tables.column(tables.conv(i), s),
+                state: tables.column(tables.state(i), s),
+                position: tables.column(BatchTables::POSITION, s),
+            },
         }
     }
 }
 
-/// The buffers of one attention layer's launches (device addresses).
+/// The buffers of one attention layer's launches (device addresses); for a batched step as
+/// `DeltaNetParams` says.
 struct AttentionBuffers {
     proj: u64,
     q_norm: u64,
@@ -230,6 +288,7 @@ struct AttentionBuffers {
     k_cache: u64,
     v_cache: u64,
     out: u64,
+    seqs: AttentionSeqs,
 }
 
 impl AttentionBuffers {
@@ -255,7 +314,127 @@ impl AttentionBuffers {
             k_cache: ptr(k_cache, s),
             v_cache: ptr(v_cache, s),
             out,
+            seqs: AttentionSeqs::default(),
         }
+    }
+
+    /// The `i`-th attention layer of a batched step over the sequences `tables` holds.
+    fn batched(
+        [q_norm, k_norm]: [&CudaSlice<f32>; 2],
+        tables: &BatchTables,
+        i: usize,
+        proj: u64,
+        q: u64,
+        out: u64,
+        s: &CudaStream,
+    ) -> Self {
+        Self {
+            proj,
+            q_norm: ptr(q_norm, s),
+            k_norm: ptr(k_norm, s),
+            position: 0,
+            q,
+            k_cache: 0,
+            v_cache: 0,
+            out,
+            seqs: AttentionSeqs {
+                position: tables.column(BatchTables::POSITION, s),
+                k_cache: tables.column(tables.keys(i), s),
+                v_cache: tables.column(tables.values(i), s),
+            },
+        }
+    }
+}
+
+/// The per-sequence buffers of a batched decode step, for its kernels to look up (`seq_buffer`
+/// in common.cuh): a column of `rows` device addresses per kind of buffer and layer, row b for
+/// the sequence whose token is row b of the step. A batched graph reads the table, so the same
+/// graph serves any sequences once the table points at them.
+struct BatchTables {
+    table: CudaSlice<u64>,
+    rows: usize,
+    deltanet_layers: usize,
+    attention_layers: usize,
+    /// The slots the table's first rows point at, in row order.
+    holds: Vec<usize>,
+}
+
+impl BatchTables {
+    const POSITION: usize = 0;
+    const TOKEN: usize = 1;
+    const SAMPLING: usize = 2;
+    const PER_SEQUENCE: usize = 3;
+
+    fn new(stream: &Arc<CudaStream>, c: &ModelConfig, rows: usize) -> Result<Self> {
+        let attention_layers = c
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::FullAttention)
+            .count();
+        let deltanet_layers = c.layer_kinds.len() - attention_layers;
+        let fields = Self::PER_SEQUENCE + 2 * deltanet_layers + 2 * attention_layers;
+        Ok(Self {
+            table: stream.alloc_zeros::<u64>(fields * rows)?,
+            rows,
+            deltanet_layers,
+            attention_layers,
+            holds: Vec::new(),
+        })
+    }
+
+    fn conv(&self, i: usize) -> usize {
+        Self::PER_SEQUENCE + i
+    }
+
+    fn state(&self, i: usize) -> usize {
+        Self::PER_SEQUENCE + self.deltanet_layers + i
+    }
+
+    fn keys(&self, i: usize) -> usize {
+        Self::PER_SEQUENCE + 2 * self.deltanet_layers + i
+    }
+
+    fn values(&self, i: usize) -> usize {
+        Self::PER_SEQUENCE + 2 * self.deltanet_layers + self.attention_layers + i
+    }
+
+    /// The device address of column `field`.
+    fn column(&self, field: usize, s: &CudaStream) -> u64 {
+        ptr(&self.table, s) + (field * self.rows * std::mem::size_of::<u64>()) as u64
+    }
+
+    /// Points the first rows at the buffers of `ids` (slots of `slots`, in row order); uploads
+    /// only when they are not the ones the table already holds.
+    fn hold(&mut self, slots: &[Slot], ids: &[usize], s: &Arc<CudaStream>) -> Result<()> {
+        ensure!(
+            ids.len() <= self.rows,
+            "a batch of {} sequences is more than the {} the backend holds",
+            ids.len(),
+            self.rows
+        );
+        if self.holds == ids {
+            return Ok(());
+        }
+        let rows = self.rows;
+        let mut host = vec![0u64; self.table.len()];
+        for (row, &id) in ids.iter().enumerate() {
+            let slot = &slots[id];
+            let mut set = |field: usize, address: u64| host[field * rows + row] = address;
+            set(Self::POSITION, ptr(&slot.position, s));
+            set(Self::TOKEN, ptr(&slot.token, s));
+            set(Self::SAMPLING, ptr(&slot.sampling, s));
+            for (i, (conv, state)) in slot.conv.iter().zip(&slot.recurrent).enumerate() {
+                set(self.conv(i), ptr(conv, s));
+                set(self.state(i), ptr(state, s));
+            }
+            for (i, (k, v)) in slot.kv.iter().enumerate() {
+                set(self.keys(i), ptr(k, s));
+                set(self.values(i), ptr(v, s));
+            }
+        }
+        s.memcpy_htod(&host, &mut self.table)?;
+        self.holds = ids.to_vec();
+        Ok(())
     }
 }
 
@@ -311,6 +490,8 @@ fn moe_down_smem(c: &ModelConfig, smem_per_sm: u32) -> u32 {
 unsafe impl DeviceRepr for DeltaNetDims {}
 unsafe impl DeviceRepr for AttentionDims {}
 unsafe impl DeviceRepr for MoeDims {}
+unsafe impl DeviceRepr for DeltaNetSeqs {}
+unsafe impl DeviceRepr for AttentionSeqs {}
 
 /// Kernels that fill device memory (synthetic weights).
 pub struct Fill {
@@ -384,7 +565,8 @@ struct Kernels {
     wgmma_peak: CudaFunction,
 }
 
-/// Activations of one decode step, shared by all sequences (steps run one after another).
+/// Activations of one decode step, a row per sequence of a batched step (up to the backend's
+/// slots), shared by all steps (they run one after another).
 struct Scratch {
     x: CudaSlice<f32>,
     proj: CudaSlice<f32>,
@@ -400,6 +582,15 @@ struct Scratch {
     logits: CudaSlice<f32>,
     arg_val: CudaSlice<f32>,
     arg_idx: CudaSlice<i32>,
+    /// A batched step's chosen ids, a row each (the slots' token buffers hold them too).
+    chosen: CudaSlice<i32>,
+}
+
+/// Batched decode: the tables its graphs read, and one graph per (batch size, ending), captured
+/// on first use.
+struct BatchSteps {
+    tables: BatchTables,
+    graphs: HashMap<(usize, StepEnd), Graph>,
 }
 
 /// A CUDA graph that may be replayed from whichever thread drives the backend.
@@ -425,7 +616,7 @@ struct Slot {
 }
 
 /// How a decode step ends.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum StepEnd {
     /// The argmax becomes the next input token on the device.
     Greedy,
@@ -487,6 +678,7 @@ pub struct CudaBackend {
     model: DeviceModel,
     scratch: Scratch,
     slots: Mutex<Vec<Slot>>,
+    batch: Mutex<BatchSteps>,
     free: Arc<Mutex<Vec<usize>>>,
     max_context: usize,
     use_graphs: bool,
@@ -714,7 +906,8 @@ impl CudaBackend {
         let inter = c
             .moe_intermediate_size
             .max(c.shared_expert_intermediate_size);
-        let z = |n: usize| stream.alloc_zeros::<f32>(n.max(1));
+        let rows = opts.max_sequences;
+        let z = |n: usize| stream.alloc_zeros::<f32>((n * rows).max(1));
         let scratch = Scratch {
             x: z(c.hidden_size)?,
             proj: z(proj)?,
@@ -725,11 +918,16 @@ impl CudaBackend {
             part_out: z(heads_hd * ATTENTION_SPLITS)?,
             router_logits: z(c.num_experts + 1)?,
             act: z((c.num_experts_per_tok + 1) * inter)?,
-            ids: stream.alloc_zeros::<i32>(c.num_experts_per_tok + 1)?,
+            ids: stream.alloc_zeros::<i32>((c.num_experts_per_tok + 1) * rows)?,
             weights: z(c.num_experts_per_tok + 1)?,
             logits: z(c.vocab_size)?,
             arg_val: z(ARGMAX_BLOCKS)?,
-            arg_idx: stream.alloc_zeros::<i32>(ARGMAX_BLOCKS)?,
+            arg_idx: stream.alloc_zeros::<i32>(ARGMAX_BLOCKS * rows)?,
+            chosen: stream.alloc_zeros::<i32>(rows)?,
+        };
+        let batch = BatchSteps {
+            tables: BatchTables::new(&stream, c, rows)?,
+            graphs: HashMap::new(),
         };
         let mut slots = Vec::with_capacity(opts.max_sequences);
         for _ in 0..opts.max_sequences {
@@ -753,6 +951,7 @@ impl CudaBackend {
             model,
             scratch,
             slots: Mutex::new(slots),
+            batch: Mutex::new(batch),
             free: Arc::new(Mutex::new((0..opts.max_sequences).rev().collect())),
             max_context: opts.max_context,
             use_graphs: opts.use_graphs,
@@ -952,11 +1151,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// One decode step for `slot`, ending as `end`, captured as a graph (not launched).
-    fn capture_step(&self, slot: &Slot, end: StepEnd) -> Result<CudaGraph> {
+    /// One decode step for `seqs`, ending as `end`, captured as a graph (not launched).
+    fn capture_step(&self, seqs: StepSeqs, end: StepEnd) -> Result<CudaGraph> {
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let recorded = self.record_step(slot, end);
+        let recorded = self.record_step(seqs, end);
         let captured = self.stream.end_capture(
             CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
         )?;
@@ -1049,8 +1248,8 @@ impl CudaBackend {
             .map_err(|_| anyhow::anyhow!("slot lock poisoned"))
     }
 
-    /// Runs one decode step for the state's slot (capturing its graph on first use).
-    fn step(&self, state: &mut CudaState, token: u32, end: StepEnd) -> Result<()> {
+    /// Checks that `token` may be appended to the sequence of `state`.
+    fn check_step(&self, state: &CudaState, token: u32) -> Result<()> {
         ensure!(
             (token as usize) < self.config.vocab_size,
             "token id {token} is outside the vocabulary (size {})",
@@ -1062,6 +1261,12 @@ impl CudaBackend {
                 self.max_context
             );
         }
+        Ok(())
+    }
+
+    /// Runs one decode step for the state's slot (capturing its graph on first use).
+    fn step(&self, state: &mut CudaState, token: u32, end: StepEnd) -> Result<()> {
+        self.check_step(state, token)?;
         let mut slots = self.lock_slots()?;
         let slot = &mut slots[state.slot];
         if state.device_token != Some(token) {
@@ -1069,17 +1274,87 @@ impl CudaBackend {
         }
         if self.use_graphs {
             if slot.graph(end).is_none() {
-                *slot.graph(end) = Some(Graph(self.capture_step(slot, end)?));
+                *slot.graph(end) = Some(Graph(self.capture_step(StepSeqs::Slot(slot), end)?));
             }
             if let Some(graph) = slot.graph(end) {
                 graph.0.launch()?;
             }
         } else {
-            self.record_step(slot, end)?;
+            self.record_step(StepSeqs::Slot(slot), end)?;
         }
         state.position += 1;
         state.device_token = None;
         Ok(())
+    }
+
+    /// Runs one batched decode step: a token of each sequence, in one pass through the model
+    /// (the graph of this batch size, captured on first use, replayed with the batch tables
+    /// pointing at these sequences). One sequence takes `step` instead.
+    fn step_batch(
+        &self,
+        states: &mut [&mut CudaState],
+        tokens: &[u32],
+        end: StepEnd,
+    ) -> Result<()> {
+        if states.is_empty() && tokens.is_empty() {
+            return Ok(());
+        }
+        ensure!(
+            states.len() == tokens.len(),
+            "a decode step got {} sequences but {} tokens",
+            states.len(),
+            tokens.len()
+        );
+        for (state, &token) in states.iter().zip(tokens) {
+            self.check_step(state, token)?;
+        }
+        let mut slots = self.lock_slots()?;
+        for (state, &token) in states.iter().zip(tokens) {
+            if state.device_token != Some(token) {
+                self.stream
+                    .memcpy_htod(&[token as i32], &mut slots[state.slot].token)?;
+            }
+        }
+        let ids: Vec<usize> = states.iter().map(|s| s.slot).collect();
+        let mut batch = self
+            .batch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("batch lock poisoned"))?;
+        let BatchSteps { tables, graphs } = &mut *batch;
+        tables.hold(&slots, &ids, &self.stream)?;
+        let seqs = StepSeqs::Batch(tables, ids.len());
+        if self.use_graphs {
+            let graph = match graphs.entry((ids.len(), end)) {
+                Entry::Occupied(graph) => graph.into_mut(),
+                Entry::Vacant(place) => place.insert(Graph(self.capture_step(seqs, end)?)),
+            };
+            graph.0.launch()?;
+        } else {
+            self.record_step(seqs, end)?;
+        }
+        for state in states.iter_mut() {
+            state.position += 1;
+            state.device_token = None;
+        }
+        Ok(())
+    }
+
+    /// The ids a batched step chose, a row each; they stay on the device as the next inputs.
+    fn read_chosen(&self, states: &mut [&mut CudaState]) -> Result<Vec<u32>> {
+        if states.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids = self
+            .stream
+            .clone_dtoh(&self.scratch.chosen.slice(..states.len()))?;
+        Ok(states
+            .iter_mut()
+            .zip(ids)
+            .map(|(state, id)| {
+                state.device_token = Some(id as u32);
+                id as u32
+            })
+            .collect())
     }
 
     /// The token the last step chose on the device (it stays there as the next input).
@@ -1090,9 +1365,10 @@ impl CudaBackend {
         Ok(id)
     }
 
-    /// Copies the logits of the last step to the host.
-    fn read_logits(&self) -> Result<Vec<f32>> {
-        Ok(self.stream.clone_dtoh(&self.scratch.logits)?)
+    /// Copies the logits of the last step's `rows` sequences to the host.
+    fn read_logits(&self, rows: usize) -> Result<Vec<f32>> {
+        let n = rows * self.config.vocab_size;
+        Ok(self.stream.clone_dtoh(&self.scratch.logits.slice(..n))?)
     }
 }
 
@@ -1101,12 +1377,12 @@ impl Backend for CudaBackend {
 
     /// Greedy decode with the argmax on the device: only the chosen ids come back.
     fn decode_greedy(&self, states: &mut [&mut CudaState], tokens: &[u32]) -> Result<Vec<u32>> {
-        let mut out = Vec::with_capacity(states.len());
-        for (state, &t) in states.iter_mut().zip(tokens) {
-            self.step(state, t, StepEnd::Greedy)?;
-            out.push(self.read_token(state)?);
+        if let ([state], [token]) = (&mut *states, tokens) {
+            self.step(state, *token, StepEnd::Greedy)?;
+            return Ok(vec![self.read_token(state)?]);
         }
-        Ok(out)
+        self.step_batch(states, tokens, StepEnd::Greedy)?;
+        self.read_chosen(states)
     }
 
     fn samples_on_device(&self) -> bool {
@@ -1128,8 +1404,7 @@ impl Backend for CudaBackend {
             tokens.len(),
             draws.len()
         );
-        let mut out = Vec::with_capacity(states.len());
-        for ((state, &t), draw) in states.iter_mut().zip(tokens).zip(draws) {
+        for (state, draw) in states.iter().zip(draws) {
             ensure!(
                 draw.temperature.is_finite() && draw.temperature > 0.0,
                 "device sampling needs a positive temperature, not {}",
@@ -1144,15 +1419,16 @@ impl Backend for CudaBackend {
                     .unwrap_or(i32::MAX),
                 seed: draw.seed,
             };
-            {
-                let mut slots = self.lock_slots()?;
-                self.stream
-                    .memcpy_htod(&[desc], &mut slots[state.slot].sampling)?;
-            }
-            self.step(state, t, StepEnd::Sampled)?;
-            out.push(self.read_token(state)?);
+            let mut slots = self.lock_slots()?;
+            self.stream
+                .memcpy_htod(&[desc], &mut slots[state.slot].sampling)?;
         }
-        Ok(out)
+        if let ([state], [token]) = (&mut *states, tokens) {
+            self.step(state, *token, StepEnd::Sampled)?;
+            return Ok(vec![self.read_token(state)?]);
+        }
+        self.step_batch(states, tokens, StepEnd::Sampled)?;
+        self.read_chosen(states)
     }
 
     fn config(&self) -> &ModelConfig {
@@ -1225,12 +1501,15 @@ impl Backend for CudaBackend {
             states.len(),
             tokens.len()
         );
-        let mut out = Vec::with_capacity(states.len() * self.config.vocab_size);
-        for (state, &t) in states.iter_mut().zip(tokens) {
-            self.step(state, t, StepEnd::Logits)?;
-            out.extend(self.read_logits()?);
+        if let ([state], [token]) = (&mut *states, tokens) {
+            self.step(state, *token, StepEnd::Logits)?;
+            return self.read_logits(1);
         }
-        Ok(out)
+        self.step_batch(states, tokens, StepEnd::Logits)?;
+        if states.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.read_logits(states.len())
     }
 }
 

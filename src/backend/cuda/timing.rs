@@ -10,7 +10,7 @@ use anyhow::{Result, ensure};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream};
 
-use super::{CudaBackend, CudaState, StepEnd};
+use super::{CudaBackend, CudaState, StepEnd, StepSeqs};
 
 /// The parts prefill time is split into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,7 +176,7 @@ impl CudaBackend {
         // The step truncated after `limit` launches: microseconds per replay, launch names.
         let replay = |limit: usize| -> Result<(f64, Vec<&'static str>)> {
             self.prefix.begin(limit)?;
-            let graph = self.capture_step(slot, StepEnd::Greedy);
+            let graph = self.capture_step(StepSeqs::Slot(slot), StepEnd::Greedy);
             let names = self.prefix.end()?;
             let graph = graph?;
             graph.launch()?;
@@ -237,7 +237,7 @@ impl CudaBackend {
         let slots = self.lock_slots()?;
         let slot = &slots[state.slot];
         self.prefix.begin(usize::MAX)?;
-        let graph = self.capture_step(slot, StepEnd::Greedy);
+        let graph = self.capture_step(StepSeqs::Slot(slot), StepEnd::Greedy);
         let names = self.prefix.end()?;
         let graph = graph?;
         for _ in 0..warmup {

@@ -10,6 +10,13 @@ struct AttentionDims {
     float rope_theta;
 };
 
+// The per-sequence buffers of a batched decode step (see seq_buffer): all null for one sequence.
+struct AttentionSeqs {
+    const unsigned long long* position;
+    const unsigned long long* k_cache;
+    const unsigned long long* v_cache;
+};
+
 // Floats of one token's projection: [heads * 2 * head_dim (per head: query, gate) |
 // kv_heads * head_dim (k) | kv_heads * head_dim (v)].
 __device__ __forceinline__ int attention_proj_width(const AttentionDims& d) {
@@ -17,19 +24,22 @@ __device__ __forceinline__ int attention_proj_width(const AttentionDims& d) {
 }
 
 // Writes q (normed, rotated) and appends k, v at their positions to the bf16 caches [ctx, kv, hd]
-// for tokens at positions position[0] + t, t = blockIdx.y (proj and q_out rows one per token).
+// for tokens at positions position[0] + t, t = blockIdx.y (proj and q_out rows one per token);
+// batched, row blockIdx.y is the token of sequence blockIdx.y of the tables.
 // Launch: (heads + kv_heads, tokens) blocks of head_dim threads.
 extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDims d, const float* proj, const float* q_norm,
                                              const float* k_norm, const int* position, float* q_out,
-                                             bf16* k_cache, bf16* v_cache) {
+                                             bf16* k_cache, bf16* v_cache, AttentionSeqs seqs) {
     TRACE_BLOCK();
     wait_for_previous_kernel();
     __shared__ float scratch[32];
     extern __shared__ float head[];
     const int b = blockIdx.x, i = threadIdx.x, hd = d.head_dim;
-    // Token blockIdx.y of a run of tokens at consecutive positions.
+    // Token blockIdx.y of a run of tokens at consecutive positions, or of a batch.
     const int t = blockIdx.y;
-    const int pos = position[0] + t;
+    const int pos = row_position(position, seqs.position, t);
+    k_cache = seq_buffer(k_cache, seqs.k_cache, t);
+    v_cache = seq_buffer(v_cache, seqs.v_cache, t);
     proj += (size_t)t * attention_proj_width(d);
     q_out += (size_t)t * d.heads * hd;
     const bool is_q = b < d.heads;
@@ -160,7 +170,8 @@ __device__ __forceinline__ void decode_stage_rows(uint32_t tile, const bf16* cac
 }
 
 // Block (KV head * head tiles + head tile, split, token), DECODE_WARPS warps: token blockIdx.z
-// of a run at consecutive positions attends to positions [0, position[0] + token]; the block
+// of a run at consecutive positions attends to positions [0, position[0] + token] (batched: the
+// token of sequence blockIdx.z of the tables, to its positions [0, position]); the block
 // takes the split's positions for query heads tile * DECODE_HEADS .. + DECODE_HEADS - 1 of the
 // KV head's group. Writes per (head, split): the running max, sum and unnormalised output.
 // Splits past the context exit at once. D: head_dim rounded up to an instantiated width.
@@ -168,7 +179,8 @@ __device__ __forceinline__ void decode_stage_rows(uint32_t tile, const bf16* cac
 // bf16 (reused for the warps' merge: DECODE_WARPS * DECODE_HEADS * D floats).
 template <int D>
 __device__ void attention_split_impl(const AttentionDims& d, const float* q, const bf16* k_cache, const bf16* v_cache,
-                                     const int* position, float* part_max, float* part_sum, float* part_out) {
+                                     const int* position, float* part_max, float* part_sum, float* part_out,
+                                     const AttentionSeqs& seqs) {
     static_assert(D % 16 == 0, "16-wide slices of a head");
     constexpr int STRIDE = D + DECODE_ROW_PAD;                 // bf16 per shared row
     constexpr uint32_t TILE_BYTES = DECODE_TILE * STRIDE * 2;  // one key or value tile
@@ -184,8 +196,10 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     // The position was set by an earlier step, the cache below it by earlier launches: this
     // warp's first tile there is requested before waiting for attention_prepare (which appends
     // this launch's tokens and writes q).
-    const int cached = position[0];
-    const int len = cached + token + 1;
+    const int len = row_position(position, seqs.position, token) + 1;
+    const int cached = seqs.position != nullptr ? len - 1 : position[0];
+    k_cache = seq_buffer(k_cache, seqs.k_cache, token);
+    v_cache = seq_buffer(v_cache, seqs.v_cache, token);
     q += (size_t)token * d.heads * hd;
     part_max += (size_t)token * d.heads * d.splits;
     part_sum += (size_t)token * d.heads * d.splits;
@@ -349,13 +363,14 @@ extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split(
                                                                              const bf16* k_cache,
                                                                              const bf16* v_cache,
                                                                              const int* position, float* part_max,
-                                                                             float* part_sum, float* part_out) {
+                                                                             float* part_sum, float* part_out,
+                                                                             AttentionSeqs seqs) {
     TRACE_BLOCK();
     // head_dim: a multiple of 16 (whole slices), at most 256; the backend takes multiples of 32.
-    if (d.head_dim <= 32) attention_split_impl<32>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
-    else if (d.head_dim <= 64) attention_split_impl<64>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
-    else if (d.head_dim <= 128) attention_split_impl<128>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
-    else attention_split_impl<256>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out);
+    if (d.head_dim <= 32) attention_split_impl<32>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
+    else if (d.head_dim <= 64) attention_split_impl<64>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
+    else if (d.head_dim <= 128) attention_split_impl<128>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
+    else attention_split_impl<256>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
 }
 
 #define COMBINE_DIMS 64     // head dims per combine block
@@ -363,12 +378,13 @@ extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split(
 #define COMBINE_MAX_SPLITS 1024
 
 // Merges the splits of each head and applies the output gate sigmoid(gate), for token
-// t = blockIdx.z at position position[0] + t. Launch: (heads, ceil(head_dim / COMBINE_DIMS),
-// tokens) blocks of COMBINE_DIMS * COMBINE_PARTS threads: thread (part, dim) sums the splits
-// s = part (mod COMBINE_PARTS) of its dim, then the parts add up in shared memory.
+// t = blockIdx.z at position position[0] + t (batched: at its sequence's position). Launch:
+// (heads, ceil(head_dim / COMBINE_DIMS), tokens) blocks of COMBINE_DIMS * COMBINE_PARTS threads:
+// thread (part, dim) sums the splits s = part (mod COMBINE_PARTS) of its dim, then the parts add
+// up in shared memory.
 extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) attention_combine(
     AttentionDims d, const float* proj, const int* position, const float* part_max, const float* part_sum,
-    const float* part_out, float* out) {
+    const float* part_out, float* out, const unsigned long long* position_of) {
     TRACE_BLOCK();
     wait_for_previous_kernel();
     __shared__ float scratch[32];
@@ -377,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) atten
     const int head = blockIdx.x, hd = d.head_dim, t = blockIdx.z;
     const int dim_in = threadIdx.x % COMBINE_DIMS, part = threadIdx.x / COMBINE_DIMS;
     const int dim = blockIdx.y * COMBINE_DIMS + dim_in;
-    const int len = position[0] + t + 1;
+    const int len = row_position(position, position_of, t) + 1;
     const int per = attention_split_len(len, d.splits);
     const int splits = div_fast(len + per - 1, per);
     proj += (size_t)t * attention_proj_width(d);

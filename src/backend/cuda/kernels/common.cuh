@@ -25,6 +25,21 @@ struct Weight {
     int group_shift;
 };
 
+// A batched decode step carries one token of each of several sequences, row b of its
+// activations being sequence b's: `table[b]` is then the device address of sequence b's buffer
+// (its position, cache or state). Without a table (null) a kernel serves one sequence and uses
+// the buffer it was given, whose rows are consecutive tokens.
+template <typename T>
+__device__ __forceinline__ T* seq_buffer(T* own, const unsigned long long* table, int row) {
+    return table != nullptr ? reinterpret_cast<T*>(table[row]) : own;
+}
+
+// The position of the token in row `row`: its sequence's position (batched), else position[0]
+// plus the row (consecutive tokens of one sequence).
+__device__ __forceinline__ int row_position(const int* position, const unsigned long long* position_of, int row) {
+    return position_of != nullptr ? *reinterpret_cast<const int*>(position_of[row]) : position[0] + row;
+}
+
 __device__ __forceinline__ float bf16_to_f32(uint16_t v) {
     return __uint_as_float(((uint32_t)v) << 16);
 }

@@ -36,7 +36,16 @@ __device__ __forceinline__ int deltanet_proj_width(const DeltaNetDims& d, int co
     return conv_dim + d.value_heads * d.value_dim + 2 * d.value_heads;
 }
 
+// The per-sequence buffers of a batched decode step (see seq_buffer): all null for one sequence.
+struct DeltaNetSeqs {
+    const unsigned long long* conv;
+    const unsigned long long* state;
+    const unsigned long long* position;
+};
+
 // `tokens` consecutive tokens from position position[0]: proj and out hold one row per token.
+// Batched (seqs non-null; one token each): blockIdx.z is the row, whose sequence's conv ring,
+// state and position come from the tables.
 // conv_ring: [kernel, conv_dim]; conv_w: [conv_dim, kernel]; state: [value_heads, key_dim, value_dim].
 // A single token (decode) also records its conv input in the ring; for several, deltanet_conv_ring
 // does it afterwards (blocks run through the tokens at their own pace, and another block may
@@ -47,7 +56,8 @@ __device__ __forceinline__ int deltanet_proj_width(const DeltaNetDims& d, int co
 extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring,
                                                               const float* conv_w, const float* a_log,
                                                               const float* dt_bias, const float* norm_w, float* state,
-                                                              const int* position, int tokens, float* out) {
+                                                              const int* position, int tokens, float* out,
+                                                              DeltaNetSeqs seqs) {
     TRACE_BLOCK();
     extern __shared__ float smem[];
     // Sums of squares of the head's output, per token parity, block of the cluster and warp of
@@ -62,6 +72,12 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
     const int conv_dim = 2 * key_width + d.value_heads * d.value_dim;
     const int proj_width = deltanet_proj_width(d, conv_dim), out_width = d.value_heads * d.value_dim;
     const int cols = div_fast(d.value_dim, d.splits), col0 = part * cols;
+    const int row_of_batch = blockIdx.z;
+    conv_ring = seq_buffer(conv_ring, seqs.conv, row_of_batch);
+    state = seq_buffer(state, seqs.state, row_of_batch);
+    position = seq_buffer(position, seqs.position, row_of_batch);
+    proj += (size_t)row_of_batch * proj_width;
+    out += (size_t)row_of_batch * out_width;
 
     // Everything but the projections was written by earlier steps or is a weight: the
     // recurrent state, the conv history and the per-head parameters are requested before waiting

@@ -26,11 +26,13 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows(Weight w, c
     matvec_bits<2, 2>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
 }
 
-// x[t] = row `token[t]` of the embedding table, dequantised to f32; blockIdx.y is t.
-extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* token, float* x) {
+// x[t] = row `token[t]` of the embedding table, dequantised to f32; blockIdx.y is t. Batched
+// (token_of non-null): row t is the token of sequence t of the table.
+extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* token, float* x,
+                                                      const unsigned long long* token_of) {
     TRACE_BLOCK();
     wait_for_previous_kernel();
-    const int row = token[blockIdx.y];
+    const int row = *seq_buffer(token + blockIdx.y, token_of, blockIdx.y);
     const int cols = w.cols;
     x += (size_t)blockIdx.y * cols;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < cols; i += gridDim.x * blockDim.x) {

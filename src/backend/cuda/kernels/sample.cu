@@ -7,9 +7,13 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
     if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
 }
 
+// Row blockIdx.y of the logits (a batched step's sequence), partials gridDim.x per row.
 extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* logits, int n, float* part_val, int* part_idx) {
     TRACE_BLOCK();
     wait_for_previous_kernel();
+    logits += (size_t)blockIdx.y * n;
+    part_val += (size_t)blockIdx.y * gridDim.x;
+    part_idx += (size_t)blockIdx.y * gridDim.x;
     __shared__ float vals[32];
     __shared__ int idxs[32];
     float v = -INFINITY;
@@ -30,11 +34,19 @@ extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* lo
     }
 }
 
-// One warp: the overall argmax becomes the next input token; the position advances.
+// One warp per row (blockIdx.y): the overall argmax becomes the next input token, also written
+// to chosen[row] when `chosen` is non-null; the position advances. Batched, the row's sequence's
+// token and position come from the tables (see seq_buffer).
 extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_val, const int* part_idx, int parts, int* token,
-                                        int* position) {
+                                        int* position, const unsigned long long* token_of,
+                                        const unsigned long long* position_of, int* chosen) {
     TRACE_BLOCK();
     wait_for_previous_kernel();
+    const int row = blockIdx.y;
+    part_val += (size_t)row * parts;
+    part_idx += (size_t)row * parts;
+    token = seq_buffer(token, token_of, row);
+    position = seq_buffer(position, position_of, row);
     const int lane = threadIdx.x;
     float v = -INFINITY;
     int idx = 0x7fffffff;
@@ -43,16 +55,19 @@ extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_
     for (int o = 16; o > 0; o >>= 1) better(v, idx, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, idx, o));
     // No finite logit at all: token 0 rather than an id outside the embedding.
     if (lane == 0) {
-        token[0] = idx < 0x7fffffff ? idx : 0;
+        const int id = idx < 0x7fffffff ? idx : 0;
+        token[0] = id;
         position[0] += 1;
+        if (chosen != nullptr) chosen[row] = id;
     }
 }
 
 // Advances the position counter by `by`: after a step whose token the host picks (sampling on
-// the host), or after a prefill chunk.
-extern "C" __global__ void advance_position(int* position, int by) {
+// the host), or after a prefill chunk. Batched: the position of sequence blockIdx.y of the table.
+extern "C" __global__ void advance_position(int* position, int by, const unsigned long long* position_of) {
     TRACE_BLOCK();
     wait_for_previous_kernel();
+    position = seq_buffer(position, position_of, blockIdx.y);
     position[0] += by;
 }
 
@@ -138,12 +153,23 @@ __device__ uint32_t radix_threshold(const float* logits, int n, unsigned long lo
 }
 
 // Draws the next token from the logits with the slot's sampling settings; it becomes the next
-// input token and the position advances. Launch: one block of SAMPLE_THREADS threads.
+// input token (also written to chosen[row] when `chosen` is non-null) and the position advances.
+// Launch: one block of SAMPLE_THREADS threads per row of logits (blockIdx.y); batched, the row's
+// sequence's settings, token and position come from the tables (see seq_buffer).
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(const float* logits, int n,
                                                                           const SamplingDesc* desc, int* token,
-                                                                          int* position) {
+                                                                          int* position,
+                                                                          const unsigned long long* desc_of,
+                                                                          const unsigned long long* token_of,
+                                                                          const unsigned long long* position_of,
+                                                                          int* chosen) {
     TRACE_BLOCK();
     wait_for_previous_kernel();
+    const int row = blockIdx.y;
+    logits += (size_t)row * n;
+    desc = seq_buffer(desc, desc_of, row);
+    token = seq_buffer(token, token_of, row);
+    position = seq_buffer(position, position_of, row);
     __shared__ float scratch[32];
     __shared__ unsigned long long hist[256];
     __shared__ uint32_t shared_prefix;
@@ -212,8 +238,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(const 
             better(best, best_id, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_id, o));
         // No finite logit at all: token 0 rather than an id outside the embedding.
         if (lane == 0) {
-            token[0] = best_id < n ? best_id : 0;
+            const int id = best_id < n ? best_id : 0;
+            token[0] = id;
             position[0] += 1;
+            if (chosen != nullptr) chosen[row] = id;
         }
     }
 }

@@ -54,7 +54,7 @@ impl CudaBackend {
         if scan_fits(&self.config) {
             self.deltanet_prefill(ps, l, n)?;
         } else {
-            self.deltanet_step(l, n)?;
+            self.deltanet_step(l, n, 1)?;
         }
         if n > 1 {
             let c = &self.config;

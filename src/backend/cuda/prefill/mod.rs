@@ -22,7 +22,7 @@ use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
     AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
-    DeltaNetShape, arg, attention_tile_row, cfg,
+    DeltaNetShape, NO_TABLE, arg, attention_tile_row, cfg,
 };
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
@@ -270,7 +270,7 @@ impl CudaBackend {
                 "embed",
                 &self.k.embed,
                 cfg(c.hidden_size.div_ceil(256) as u32, n as u32, 256, 0),
-                &mut [arg(&embed), arg(&token_ids), arg(&x)],
+                &mut [arg(&embed), arg(&token_ids), arg(&x), arg(&NO_TABLE)],
             )
         }?;
         self.mark(PrefillPart::Projections)?;
@@ -329,7 +329,7 @@ impl CudaBackend {
                 "advance_position",
                 &self.k.advance_position,
                 cfg(1, 1, 1, 0),
-                &mut [arg(&position), arg(&by)],
+                &mut [arg(&position), arg(&by), arg(&NO_TABLE)],
             )
         }?;
         state.position += n;
@@ -358,7 +358,7 @@ impl CudaBackend {
                 let out = p(&self.scratch.logits);
                 self.project(ps, &m.lm_head, last, final_norm, out, false, 1)?;
                 self.mark(PrefillPart::LmHead)?;
-                Ok(s.clone_dtoh(&self.scratch.logits)?)
+                Ok(s.clone_dtoh(&self.scratch.logits.slice(..c.vocab_size))?)
             }
         }
     }
