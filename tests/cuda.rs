@@ -704,7 +704,8 @@ fn alone(gpu: &CudaBackend, prompt: &[u32], steps: usize, seed: u64) -> AloneRun
 /// sequence exactly what its own step computes: the same greedy ids, bit-identical logits and
 /// the same sampled ids, with prompts of different lengths (so different positions and
 /// contexts), in batches whose members change (a sequence leaving mid-way, so the batch tables
-/// are rewritten and another batch size's graph is captured), on bf16 and 4-bit weights.
+/// are rewritten and another batch size's graph is captured), on bf16 and 4-bit weights, with
+/// more sequences than the batched mat-vec takes at once.
 #[test]
 fn batched_decode_matches_each_sequence_decoded_alone() {
     let tmp = tempfile::tempdir().unwrap();
@@ -715,10 +716,13 @@ fn batched_decode_matches_each_sequence_decoded_alone() {
     ] {
         let model = Model::load(&model_dir).unwrap();
         let vocab = model.config.vocab_size as u32;
-        let gpu = cuda(&model, 12);
+        // Ten sequences: more than one group of the batched mat-vec's tokens (MATVEC_TOKENS).
         let mut batch_prompts = prompts(dir);
-        batch_prompts.push((0..40).map(|i| (i * 37 + 11) % vocab).collect());
         batch_prompts.push(vec![3]);
+        for n in 0..7u32 {
+            batch_prompts.push((0..5 + 13 * n).map(|i| (i * 37 + 11 * n) % vocab).collect());
+        }
+        let gpu = cuda(&model, 3 * batch_prompts.len());
         let steps = 10;
         let runs: Vec<AloneRun> = batch_prompts
             .iter()

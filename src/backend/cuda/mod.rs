@@ -51,6 +51,10 @@ const NO_TABLE: u64 = 0;
 const MATVEC_THREADS: u32 = 256;
 /// Resident `matvec` blocks per SM (its launch bounds allow three): one wave of persistent blocks.
 const MATVEC_BLOCKS_PER_SM: usize = 3;
+/// Tokens a `matvec_tokens` block multiplies at once (MATVEC_TOKENS in matvec.cu).
+const MATVEC_TOKENS: usize = 8;
+/// Resident `matvec_tokens` blocks per SM at most (its launch bounds).
+const MATVEC_TOKENS_BLOCKS_PER_SM: usize = 2;
 /// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
@@ -533,6 +537,8 @@ struct Kernels {
     block_trace: Option<Mutex<CudaSlice<u64>>>,
     matvec: CudaFunction,
     matvec_two_rows: CudaFunction,
+    matvec_tokens: CudaFunction,
+    matvec_two_rows_tokens: CudaFunction,
     embed: CudaFunction,
     deltanet_step: CudaFunction,
     deltanet_conv_ring: CudaFunction,
@@ -683,6 +689,8 @@ pub struct CudaBackend {
     max_context: usize,
     use_graphs: bool,
     num_sms: u32,
+    /// Shared memory per SM (bytes).
+    smem_per_sm: u32,
     /// Dynamic shared memory `moe_down` asks for (see `moe_down_smem`).
     down_smem: u32,
     /// Chunk activations of the prefill path, allocated with the backend so that the first
@@ -789,6 +797,8 @@ impl CudaBackend {
             block_trace,
             matvec: get("matvec")?,
             matvec_two_rows: get("matvec_two_rows")?,
+            matvec_tokens: get("matvec_tokens")?,
+            matvec_two_rows_tokens: get("matvec_two_rows_tokens")?,
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
             deltanet_conv_ring: get("deltanet_conv_ring")?,
@@ -824,6 +834,8 @@ impl CudaBackend {
         for f in [
             &k.matvec,
             &k.matvec_two_rows,
+            &k.matvec_tokens,
+            &k.matvec_two_rows_tokens,
             &k.moe_router_shared,
             &k.moe_gate_up,
             &k.moe_down,
@@ -956,6 +968,7 @@ impl CudaBackend {
             max_context: opts.max_context,
             use_graphs: opts.use_graphs,
             num_sms,
+            smem_per_sm,
             down_smem,
             prefill: Mutex::new(prefill),
             prefill_chunk,
@@ -1098,9 +1111,12 @@ impl CudaBackend {
         Ok(total - free)
     }
 
-    /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y
-    /// (a grid row each); added to y when `accumulate`. At most one wave of persistent blocks.
-    /// `role` names the launch (the weight's part in the model) in errors and the critical path.
+    /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y;
+    /// added to y when `accumulate`. One token: `matvec`/`matvec_two_rows`; several: their
+    /// `_tokens` forms, which read each weight row once for up to MATVEC_TOKENS tokens (a grid
+    /// row per group), where the group's staged inputs fit in shared memory, else a grid row per
+    /// token. At most one wave of persistent blocks. `role` names the launch (the weight's part
+    /// in the model) in errors and the critical path.
     #[allow(clippy::too_many_arguments)]
     fn matvec(
         &self,
@@ -1118,14 +1134,52 @@ impl CudaBackend {
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
         let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
+        let warps = MATVEC_THREADS as usize / 32;
+        let row_blocks = w.rows.div_ceil(warps * rows_per_warp);
+        let grouped_smem =
+            MATVEC_TOKENS * (staged_bytes(&[w.cols]) as usize + 4 * warps * rows_per_warp);
+        if tokens > 1 && grouped_smem <= MAX_DYNAMIC_SHARED_BYTES {
+            let kernel = if rows_per_warp == 2 {
+                &self.k.matvec_two_rows_tokens
+            } else {
+                &self.k.matvec_tokens
+            };
+            let per_sm = (self.smem_per_sm as usize / (grouped_smem + 1024))
+                .clamp(1, MATVEC_TOKENS_BLOCKS_PER_SM);
+            let blocks = row_blocks.min(self.num_sms as usize * per_sm);
+            let groups = tokens.div_ceil(MATVEC_TOKENS);
+            let tokens = tokens as i32;
+            // SAFETY: x and y hold `tokens` rows of w.cols and w.rows floats; each block takes
+            // at most MATVEC_TOKENS of them, staged in grouped_smem bytes.
+            return unsafe {
+                self.launch(
+                    role,
+                    kernel,
+                    cfg(
+                        blocks as u32,
+                        groups as u32,
+                        MATVEC_THREADS,
+                        grouped_smem as u32,
+                    ),
+                    &mut [
+                        arg(&desc),
+                        arg(&x),
+                        arg(&norm),
+                        arg(&eps),
+                        arg(&y),
+                        arg(&acc),
+                        arg(&tokens),
+                    ],
+                )
+            };
+        }
         let kernel = if rows_per_warp == 2 {
             &self.k.matvec_two_rows
         } else {
             &self.k.matvec
         };
-        let warps = MATVEC_THREADS as usize / 32;
         let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
-        let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
+        let blocks = row_blocks.min(resident);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, tokens as u32, 1),
             block_dim: (MATVEC_THREADS, 1, 1),
@@ -1560,7 +1614,13 @@ fn staged_bytes(widths: &[usize]) -> u32 {
 /// The `extern "C"` kernels each module defines.
 fn kernel_names(module: &str) -> &'static [&'static str] {
     match module {
-        "matvec" => &["matvec", "matvec_two_rows", "embed"],
+        "matvec" => &[
+            "matvec",
+            "matvec_two_rows",
+            "matvec_tokens",
+            "matvec_two_rows_tokens",
+            "embed",
+        ],
         "deltanet" => &[
             "deltanet_step",
             "deltanet_conv_ring",
