@@ -43,6 +43,8 @@ struct BatchedDecode {
     batch: usize,
     steps: usize,
     seconds: f64,
+    /// Per-kernel shares of the batched step and its replayed time (`--critical-path`).
+    critical: Option<(Vec<crate::backend::cuda::timing::KernelShare>, f64)>,
 }
 
 impl BatchedDecode {
@@ -63,6 +65,7 @@ fn batched_decode(
     batch: usize,
     prompt_len: usize,
     steps: usize,
+    critical_path: usize,
 ) -> Result<BatchedDecode> {
     let vocab = backend.config().vocab_size as u32;
     let mut states = Vec::with_capacity(batch);
@@ -83,10 +86,17 @@ fn batched_decode(
     for _ in 0..steps {
         tokens = backend.decode_greedy(&mut refs, &tokens)?;
     }
+    let seconds = start.elapsed().as_secs_f64();
+    let critical = if critical_path > 0 {
+        Some(backend.decode_critical_path(&mut refs, critical_path)?)
+    } else {
+        None
+    };
     Ok(BatchedDecode {
         batch,
         steps,
-        seconds: start.elapsed().as_secs_f64(),
+        seconds,
+        critical,
     })
 }
 
@@ -146,7 +156,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let decode_s = start.elapsed().as_secs_f64();
     let decode_tok_s = (args.generate - 1) as f64 / decode_s;
     let critical = if args.critical_path > 0 {
-        Some(backend.decode_critical_path(&mut state, args.critical_path)?)
+        Some(backend.decode_critical_path(&mut [&mut state], args.critical_path)?)
     } else {
         None
     };
@@ -187,6 +197,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             args.batch,
             args.prompt,
             args.generate - 1,
+            args.critical_path,
         )?)
     } else {
         None
@@ -278,16 +289,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     if let Some((shares, step_us)) = &critical {
         println!("decode critical path, per kernel (step {step_us:.1} us replayed):");
-        for share in shares {
-            println!(
-                "  {:<22} {:>4} launches {:>8.1} us {:>6.2} us each {:>5.1}%",
-                share.name,
-                share.launches,
-                share.critical_us,
-                share.critical_us / share.launches as f64,
-                100.0 * share.critical_us / step_us
-            );
-        }
+        print_shares(shares, *step_us);
+    }
+    if let Some((shares, step_us)) = batched.as_ref().and_then(|b| b.critical.as_ref()) {
+        println!(
+            "decode batch {} critical path, per kernel (step {step_us:.1} us replayed):",
+            args.batch
+        );
+        print_shares(shares, *step_us);
     }
     println!(
         "{}",
@@ -317,6 +326,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         })
     );
     Ok(())
+}
+
+fn print_shares(shares: &[crate::backend::cuda::timing::KernelShare], step_us: f64) {
+    for share in shares {
+        println!(
+            "  {:<22} {:>4} launches {:>8.1} us {:>6.2} us each {:>5.1}%",
+            share.name,
+            share.launches,
+            share.critical_us,
+            share.critical_us / share.launches as f64,
+            100.0 * share.critical_us / step_us
+        );
+    }
 }
 
 /// Floating-point operations of prefilling `tokens` tokens from an empty context, counting 2 per

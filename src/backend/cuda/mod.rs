@@ -1296,6 +1296,12 @@ impl CudaBackend {
         .with_context(|| format!("launching `{name}`"))
     }
 
+    fn lock_prefill(&self) -> Result<std::sync::MutexGuard<'_, prefill::PrefillScratch>> {
+        self.prefill
+            .lock()
+            .map_err(|_| anyhow::anyhow!("prefill scratch lock poisoned"))
+    }
+
     fn lock_slots(&self) -> Result<std::sync::MutexGuard<'_, Vec<Slot>>> {
         self.slots
             .lock()
@@ -1362,21 +1368,26 @@ impl CudaBackend {
         for (state, &token) in states.iter().zip(tokens) {
             self.check_step(state, token)?;
         }
-        let mut slots = self.lock_slots()?;
-        for (state, &token) in states.iter().zip(tokens) {
-            if state.device_token != Some(token) {
-                self.stream
-                    .memcpy_htod(&[token as i32], &mut slots[state.slot].token)?;
-            }
-        }
-        let ids: Vec<usize> = states.iter().map(|s| s.slot).collect();
+        // Lock order, here and everywhere: prefill scratch, batch, slots.
+        let prefill = self.lock_prefill()?;
         let mut batch = self
             .batch
             .lock()
             .map_err(|_| anyhow::anyhow!("batch lock poisoned"))?;
+        let ids: Vec<usize> = states.iter().map(|s| s.slot).collect();
         let BatchSteps { tables, graphs } = &mut *batch;
-        tables.hold(&slots, &ids, &self.stream)?;
-        let seqs = StepSeqs::Batch(tables, ids.len());
+        {
+            let mut slots = self.lock_slots()?;
+            for (state, &token) in states.iter().zip(tokens) {
+                if state.device_token != Some(token) {
+                    self.stream
+                        .memcpy_htod(&[token as i32], &mut slots[state.slot].token)?;
+                }
+            }
+            tables.hold(&slots, &ids, &self.stream)?;
+        }
+        let ps = self.batch_prefill(ids.len()).then_some(&*prefill);
+        let seqs = StepSeqs::Batch(tables, ids.len(), ps);
         if self.use_graphs {
             let graph = match graphs.entry((ids.len(), end)) {
                 Entry::Occupied(graph) => graph.into_mut(),

@@ -150,33 +150,51 @@ pub struct KernelShare {
 }
 
 impl CudaBackend {
-    /// Replays the greedy decode step of `state`'s slot truncated after each launch, `reps` times
-    /// each, and returns each kernel's share of the step (in order of first launch) and the full
-    /// step's time in microseconds. The slot's position does not advance except in the full step,
-    /// which advances it `reps + 1` times.
+    /// Replays the greedy decode step of `states` (one sequence's step, or a batched step of
+    /// all of them) truncated after each launch, `reps` times each, and returns each kernel's
+    /// share of the step (in order of first launch) and the full step's time in microseconds.
+    /// The positions do not advance except in the full step, which advances them `reps + 1`
+    /// times.
     pub fn decode_critical_path(
         &self,
-        state: &mut CudaState,
+        states: &mut [&mut CudaState],
         reps: usize,
     ) -> Result<(Vec<KernelShare>, f64)> {
         ensure!(
             reps > 0,
             "the critical path needs at least one replay per step"
         );
-        ensure!(
-            state.position + reps < self.max_context,
-            "timing the critical path advances the sequence {} positions past {}, beyond the \
-             context limit of {}",
-            reps + 1,
-            state.position,
-            self.max_context
-        );
+        ensure!(!states.is_empty(), "the critical path needs a sequence");
+        for state in states.iter() {
+            ensure!(
+                state.position + reps < self.max_context,
+                "timing the critical path advances the sequence {} positions past {}, beyond \
+                 the context limit of {}",
+                reps + 1,
+                state.position,
+                self.max_context
+            );
+        }
+        // The lock order of CudaBackend::step_batch.
+        let prefill = self.lock_prefill()?;
+        let mut batch = self
+            .batch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("batch lock poisoned"))?;
         let slots = self.lock_slots()?;
-        let slot = &slots[state.slot];
+        let ids: Vec<usize> = states.iter().map(|s| s.slot).collect();
+        if ids.len() > 1 {
+            batch.tables.hold(&slots, &ids, &self.stream)?;
+        }
+        let ps = self.batch_prefill(ids.len()).then_some(&*prefill);
+        let seqs = match ids.as_slice() {
+            [one] => StepSeqs::Slot(&slots[*one]),
+            _ => StepSeqs::Batch(&batch.tables, ids.len(), ps),
+        };
         // The step truncated after `limit` launches: microseconds per replay, launch names.
         let replay = |limit: usize| -> Result<(f64, Vec<&'static str>)> {
             self.prefix.begin(limit)?;
-            let graph = self.capture_step(StepSeqs::Slot(slot), StepEnd::Greedy);
+            let graph = self.capture_step(seqs, StepEnd::Greedy);
             let names = self.prefix.end()?;
             let graph = graph?;
             graph.launch()?;
@@ -197,8 +215,10 @@ impl CudaBackend {
             Ok((kernel_shares(&names, &cumulative), full))
         })();
         self.prefix.end()?;
-        state.position += reps + 1;
-        state.device_token = None;
+        for state in states.iter_mut() {
+            state.position += reps + 1;
+            state.device_token = None;
+        }
         result
     }
 }
