@@ -8,7 +8,6 @@
 use anyhow::{Context, Result, ensure};
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::prefill::{MATVEC_MAX_TOKENS, PrefillScratch};
 use super::weights::{self, DeviceMixer, ptr};
 use super::{
     ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
@@ -24,16 +23,15 @@ pub(super) enum StepSeqs<'a> {
     /// One slot's: its buffers are the launches' arguments.
     Slot(&'a Slot),
     /// The sequences of the first `rows` rows of the batch tables, a grid row each: the kernels
-    /// look their buffers up in the tables. With the prefill scratch (see `batch_prefill`), the
-    /// projections and the MoE take prefill's products.
-    Batch(&'a BatchTables, usize, Option<&'a PrefillScratch>),
+    /// look their buffers up in the tables.
+    Batch(&'a BatchTables, usize),
 }
 
 impl StepSeqs<'_> {
     fn rows(&self) -> usize {
         match self {
             Self::Slot(_) => 1,
-            Self::Batch(_, rows, _) => *rows,
+            Self::Batch(_, rows) => *rows,
         }
     }
 
@@ -41,35 +39,18 @@ impl StepSeqs<'_> {
     fn buffer(&self, own: impl FnOnce(&Slot) -> u64, field: usize, s: &CudaStream) -> (u64, u64) {
         match self {
             Self::Slot(slot) => (own(slot), 0),
-            Self::Batch(tables, ..) => (0, tables.column(field, s)),
+            Self::Batch(tables, _) => (0, tables.column(field, s)),
         }
     }
 }
 
 impl CudaBackend {
-    /// Whether a batched step of `rows` sequences takes prefill's products for its projections
-    /// and MoE (tensor cores, the experts' tokens grouped), which read each weight once for all
-    /// of them: for more than MATVEC_MAX_TOKENS sequences, where the prefill scratch holds them.
-    /// The per-sequence parts (DeltaNet step, attention over each cache) stay the decode
-    /// kernels'.
-    pub(super) fn batch_prefill(&self, rows: usize) -> bool {
-        rows > MATVEC_MAX_TOKENS && rows <= self.prefill_chunk
-    }
-
     /// Issues one decode step for `seqs` on the stream (for capture into a graph).
     pub(super) fn record_step(&self, seqs: StepSeqs, end: StepEnd) -> Result<()> {
         let (c, s, sc, m) = (&self.config, &self.stream, &self.scratch, &self.model);
         let p = |x: &CudaSlice<f32>| ptr(x, s);
         let (x, proj, core) = (p(&sc.x), p(&sc.proj), p(&sc.core));
         let rows = seqs.rows();
-        let ps = match seqs {
-            StepSeqs::Batch(_, _, ps) => ps,
-            StepSeqs::Slot(_) => None,
-        };
-        let project = |role, w, x, norm, y, accumulate| match ps {
-            Some(ps) => self.project(ps, w, x, norm, y, accumulate, rows),
-            None => self.matvec(role, w, x, norm, y, accumulate, rows),
-        };
         let (position, position_of) =
             seqs.buffer(|slot| ptr(&slot.position, s), BatchTables::POSITION, s);
         let (token, token_of) = seqs.buffer(|slot| ptr(&slot.token, s), BatchTables::TOKEN, s);
@@ -107,25 +88,26 @@ impl CudaBackend {
                     dt_bias,
                     norm,
                 } => {
-                    project(
+                    self.matvec(
                         "in_proj",
                         in_proj,
                         x,
                         Some(p(&layer.input_norm)),
                         proj,
                         false,
+                        rows,
                     )?;
                     let weights = [conv_w, a_log, dt_bias, norm];
                     let gdn_layer = match seqs {
                         StepSeqs::Slot(slot) => {
                             DeltaNetParams::new(&gdn_dims, weights, slot, gdn_i, proj, core, s)
                         }
-                        StepSeqs::Batch(tables, ..) => DeltaNetParams::batched(
+                        StepSeqs::Batch(tables, _) => DeltaNetParams::batched(
                             &gdn_dims, weights, tables, gdn_i, proj, core, s,
                         ),
                     };
                     self.deltanet_step(&gdn_layer, 1, rows)?;
-                    project("out_proj", out_proj, core, None, x, true)?;
+                    self.matvec("out_proj", out_proj, core, None, x, true, rows)?;
                     gdn_i += 1;
                 }
                 DeviceMixer::Attention {
@@ -134,14 +116,14 @@ impl CudaBackend {
                     q_norm,
                     k_norm,
                 } => {
-                    project("qkv", qkv, x, Some(p(&layer.input_norm)), proj, false)?;
+                    self.matvec("qkv", qkv, x, Some(p(&layer.input_norm)), proj, false, rows)?;
                     let norms = [q_norm, k_norm];
                     let q = p(&sc.q);
                     let attn = match seqs {
                         StepSeqs::Slot(slot) => {
                             AttentionBuffers::new(norms, slot, attn_i, proj, q, core, s)
                         }
-                        StepSeqs::Batch(tables, ..) => {
+                        StepSeqs::Batch(tables, _) => {
                             AttentionBuffers::batched(norms, tables, attn_i, proj, q, core, s)
                         }
                     };
@@ -151,23 +133,21 @@ impl CudaBackend {
                         out: p(&sc.part_out),
                     };
                     self.attention(&attn_dims, &attn, &splits, rows)?;
-                    project("o_proj", o_proj, core, None, x, true)?;
+                    self.matvec("o_proj", o_proj, core, None, x, true, rows)?;
                     attn_i += 1;
                 }
             }
-            match ps {
-                Some(ps) => self.moe_chunk(ps, layer, x, rows)?,
-                None => self.moe(layer, &moe_buffers, x, rows)?,
-            }
+            self.moe(layer, &moe_buffers, x, rows)?;
         }
         let logits = p(&sc.logits);
-        project(
+        self.matvec(
             "lm_head",
             &m.lm_head,
             x,
             Some(p(&m.final_norm)),
             logits,
             false,
+            rows,
         )?;
         let n = c.vocab_size as i32;
         let chosen = match seqs {

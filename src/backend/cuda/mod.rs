@@ -51,10 +51,6 @@ const NO_TABLE: u64 = 0;
 const MATVEC_THREADS: u32 = 256;
 /// Resident `matvec` blocks per SM (its launch bounds allow three): one wave of persistent blocks.
 const MATVEC_BLOCKS_PER_SM: usize = 3;
-/// Tokens a `matvec_tokens` block multiplies at once (MATVEC_TOKENS in matvec.cu).
-const MATVEC_TOKENS: usize = 8;
-/// Resident `matvec_tokens` blocks per SM at most (its launch bounds).
-const MATVEC_TOKENS_BLOCKS_PER_SM: usize = 2;
 /// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
@@ -537,8 +533,6 @@ struct Kernels {
     block_trace: Option<Mutex<CudaSlice<u64>>>,
     matvec: CudaFunction,
     matvec_two_rows: CudaFunction,
-    matvec_tokens: CudaFunction,
-    matvec_two_rows_tokens: CudaFunction,
     embed: CudaFunction,
     deltanet_step: CudaFunction,
     deltanet_conv_ring: CudaFunction,
@@ -689,8 +683,6 @@ pub struct CudaBackend {
     max_context: usize,
     use_graphs: bool,
     num_sms: u32,
-    /// Shared memory per SM (bytes).
-    smem_per_sm: u32,
     /// Dynamic shared memory `moe_down` asks for (see `moe_down_smem`).
     down_smem: u32,
     /// Chunk activations of the prefill path, allocated with the backend so that the first
@@ -797,8 +789,6 @@ impl CudaBackend {
             block_trace,
             matvec: get("matvec")?,
             matvec_two_rows: get("matvec_two_rows")?,
-            matvec_tokens: get("matvec_tokens")?,
-            matvec_two_rows_tokens: get("matvec_two_rows_tokens")?,
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
             deltanet_conv_ring: get("deltanet_conv_ring")?,
@@ -834,8 +824,6 @@ impl CudaBackend {
         for f in [
             &k.matvec,
             &k.matvec_two_rows,
-            &k.matvec_tokens,
-            &k.matvec_two_rows_tokens,
             &k.moe_router_shared,
             &k.moe_gate_up,
             &k.moe_down,
@@ -968,7 +956,6 @@ impl CudaBackend {
             max_context: opts.max_context,
             use_graphs: opts.use_graphs,
             num_sms,
-            smem_per_sm,
             down_smem,
             prefill: Mutex::new(prefill),
             prefill_chunk,
@@ -1111,12 +1098,9 @@ impl CudaBackend {
         Ok(total - free)
     }
 
-    /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y;
-    /// added to y when `accumulate`. One token: `matvec`/`matvec_two_rows`; several: their
-    /// `_tokens` forms, which read each weight row once for up to MATVEC_TOKENS tokens (a grid
-    /// row per group), where the group's staged inputs fit in shared memory, else a grid row per
-    /// token. At most one wave of persistent blocks. `role` names the launch (the weight's part
-    /// in the model) in errors and the critical path.
+    /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y
+    /// (a grid row each); added to y when `accumulate`. At most one wave of persistent blocks.
+    /// `role` names the launch (the weight's part in the model) in errors and the critical path.
     #[allow(clippy::too_many_arguments)]
     fn matvec(
         &self,
@@ -1134,52 +1118,14 @@ impl CudaBackend {
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
         let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
-        let warps = MATVEC_THREADS as usize / 32;
-        let row_blocks = w.rows.div_ceil(warps * rows_per_warp);
-        let grouped_smem =
-            MATVEC_TOKENS * (staged_bytes(&[w.cols]) as usize + 4 * warps * rows_per_warp);
-        if tokens > 1 && grouped_smem <= MAX_DYNAMIC_SHARED_BYTES {
-            let kernel = if rows_per_warp == 2 {
-                &self.k.matvec_two_rows_tokens
-            } else {
-                &self.k.matvec_tokens
-            };
-            let per_sm = (self.smem_per_sm as usize / (grouped_smem + 1024))
-                .clamp(1, MATVEC_TOKENS_BLOCKS_PER_SM);
-            let blocks = row_blocks.min(self.num_sms as usize * per_sm);
-            let groups = tokens.div_ceil(MATVEC_TOKENS);
-            let tokens = tokens as i32;
-            // SAFETY: x and y hold `tokens` rows of w.cols and w.rows floats; each block takes
-            // at most MATVEC_TOKENS of them, staged in grouped_smem bytes.
-            return unsafe {
-                self.launch(
-                    role,
-                    kernel,
-                    cfg(
-                        blocks as u32,
-                        groups as u32,
-                        MATVEC_THREADS,
-                        grouped_smem as u32,
-                    ),
-                    &mut [
-                        arg(&desc),
-                        arg(&x),
-                        arg(&norm),
-                        arg(&eps),
-                        arg(&y),
-                        arg(&acc),
-                        arg(&tokens),
-                    ],
-                )
-            };
-        }
         let kernel = if rows_per_warp == 2 {
             &self.k.matvec_two_rows
         } else {
             &self.k.matvec
         };
+        let warps = MATVEC_THREADS as usize / 32;
         let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
-        let blocks = row_blocks.min(resident);
+        let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, tokens as u32, 1),
             block_dim: (MATVEC_THREADS, 1, 1),
@@ -1296,12 +1242,6 @@ impl CudaBackend {
         .with_context(|| format!("launching `{name}`"))
     }
 
-    fn lock_prefill(&self) -> Result<std::sync::MutexGuard<'_, prefill::PrefillScratch>> {
-        self.prefill
-            .lock()
-            .map_err(|_| anyhow::anyhow!("prefill scratch lock poisoned"))
-    }
-
     fn lock_slots(&self) -> Result<std::sync::MutexGuard<'_, Vec<Slot>>> {
         self.slots
             .lock()
@@ -1368,8 +1308,7 @@ impl CudaBackend {
         for (state, &token) in states.iter().zip(tokens) {
             self.check_step(state, token)?;
         }
-        // Lock order, here and everywhere: prefill scratch, batch, slots.
-        let prefill = self.lock_prefill()?;
+        // Lock order, here and in decode_critical_path: batch, slots.
         let mut batch = self
             .batch
             .lock()
@@ -1386,8 +1325,7 @@ impl CudaBackend {
             }
             tables.hold(&slots, &ids, &self.stream)?;
         }
-        let ps = self.batch_prefill(ids.len()).then_some(&*prefill);
-        let seqs = StepSeqs::Batch(tables, ids.len(), ps);
+        let seqs = StepSeqs::Batch(tables, ids.len());
         if self.use_graphs {
             let graph = match graphs.entry((ids.len(), end)) {
                 Entry::Occupied(graph) => graph.into_mut(),
@@ -1625,13 +1563,7 @@ fn staged_bytes(widths: &[usize]) -> u32 {
 /// The `extern "C"` kernels each module defines.
 fn kernel_names(module: &str) -> &'static [&'static str] {
     match module {
-        "matvec" => &[
-            "matvec",
-            "matvec_two_rows",
-            "matvec_tokens",
-            "matvec_two_rows_tokens",
-            "embed",
-        ],
+        "matvec" => &["matvec", "matvec_two_rows", "embed"],
         "deltanet" => &[
             "deltanet_step",
             "deltanet_conv_ring",

@@ -176,7 +176,6 @@ impl CudaBackend {
             );
         }
         // The lock order of CudaBackend::step_batch.
-        let prefill = self.lock_prefill()?;
         let mut batch = self
             .batch
             .lock()
@@ -186,10 +185,9 @@ impl CudaBackend {
         if ids.len() > 1 {
             batch.tables.hold(&slots, &ids, &self.stream)?;
         }
-        let ps = self.batch_prefill(ids.len()).then_some(&*prefill);
         let seqs = match ids.as_slice() {
             [one] => StepSeqs::Slot(&slots[*one]),
-            _ => StepSeqs::Batch(&batch.tables, ids.len(), ps),
+            _ => StepSeqs::Batch(&batch.tables, ids.len()),
         };
         // The step truncated after `limit` launches: microseconds per replay, launch names.
         let replay = |limit: usize| -> Result<(f64, Vec<&'static str>)> {

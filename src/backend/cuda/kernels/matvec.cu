@@ -26,34 +26,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows(Weight w, c
     matvec_bits<2, 2>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
 }
 
-// Tokens a `matvec_tokens` block multiplies at once (MATVEC_TOKENS on the host).
-#define MATVEC_TOKENS 8
-
-// `matvec` for a batched decode step's `tokens` rows of x and y: block row blockIdx.y takes
-// tokens MATVEC_TOKENS * blockIdx.y .. + MATVEC_TOKENS - 1 (as many as there are), reading each
-// weight row once for all of them. Each token's result is exactly `matvec`'s. Shared memory:
-// MATVEC_TOKENS * (64 + staged_floats(cols) + 8 * rows per warp) floats.
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_tokens(Weight w, const float* x, const float* norm_scale,
-                                                                 float eps, float* y, int accumulate, int tokens) {
-    TRACE_BLOCK();
-    extern __shared__ __align__(16) float smem[];
-    const int first = blockIdx.y * MATVEC_TOKENS;
-    matvec_tokens_bits<1, 4, MATVEC_TOKENS>(w, x + (size_t)first * w.cols, norm_scale, eps, y + (size_t)first * w.rows,
-                                            accumulate, min(MATVEC_TOKENS, tokens - first), smem);
-}
-
-// `matvec_tokens` with `matvec_two_rows`'s rows per warp (rows of at most 64 chunks).
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_two_rows_tokens(Weight w, const float* x,
-                                                                          const float* norm_scale, float eps, float* y,
-                                                                          int accumulate, int tokens) {
-    TRACE_BLOCK();
-    extern __shared__ __align__(16) float smem[];
-    const int first = blockIdx.y * MATVEC_TOKENS;
-    matvec_tokens_bits<2, 2, MATVEC_TOKENS>(w, x + (size_t)first * w.cols, norm_scale, eps,
-                                            y + (size_t)first * w.rows, accumulate,
-                                            min(MATVEC_TOKENS, tokens - first), smem);
-}
-
 // x[t] = row `token[t]` of the embedding table, dequantised to f32; blockIdx.y is t. Batched
 // (token_of non-null): row t is the token of sequence t of the table.
 extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* token, float* x,

@@ -109,54 +109,6 @@ __device__ __forceinline__ void source_eight(const StageSource& src, const float
     e[4] = b.x * nb.x * m; e[5] = b.y * nb.y * m; e[6] = b.z * nb.z * m; e[7] = b.w * nb.w * m;
 }
 
-// Writes word t (inputs 8t .. 8t + 7, values e, zeros past the input) of an input of `cols`
-// values staged for a weight of BITS bits into xs (see the layouts above); `valid`: t is a word
-// of the input. Called by whole warps (the four words of a 4-bit chunk belong to four
-// consecutive threads, which exchange the chunk's sum and largest magnitude).
-template <int BITS>
-__device__ __forceinline__ void stage_word(const float (&e)[8], int t, int cols, bool valid, float* xs) {
-    if (BITS == 4) {
-        const int chunks = cols / 32;
-        float2* chunk_stats = reinterpret_cast<float2*>(xs + cols / 2);
-        const int c = t >> 2, k = t & 3;
-        float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
-        float mx = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fabsf(e[j]));
-#pragma unroll
-        for (int o = 1; o <= 2; o <<= 1) {
-            sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        }
-        const float to_int = mx > 0.0f ? 32767.0f / mx : 0.0f;
-        uint32_t q[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) q[j] = static_cast<uint32_t>(__float2int_rn(e[j] * to_int)) & 0xffffu;
-        if (valid) {
-            reinterpret_cast<uint4*>(xs)[k * chunks + c] =
-                make_uint4(q[0] | q[2] << 16, q[4] | q[6] << 16, q[1] | q[3] << 16, q[5] | q[7] << 16);
-            if (k == 0) chunk_stats[c] = make_float2(mx * (1.0f / 32767.0f), sum);
-        }
-    } else {
-        constexpr int VPC = 128 / BITS;
-        const int chunks = cols / VPC;
-        float* csum = xs + cols;
-        // Word t: inputs 8t.. of chunk c = 8t / VPC, float4s q and q + 1 of it.
-        const int c = (8 * t) / VPC, q = ((8 * t) % VPC) / 4;
-        if (valid) {
-            float4* x4 = reinterpret_cast<float4*>(xs);
-            x4[q * chunks + c] = make_float4(e[0], e[1], e[2], e[3]);
-            x4[(q + 1) * chunks + c] = make_float4(e[4], e[5], e[6], e[7]);
-        }
-        if (BITS == 8) {
-            // A 16-value chunk is two consecutive words.
-            float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            if ((t & 1) == 0 && valid) csum[c] = sum;
-        }
-    }
-}
-
 // Stages the source for a weight of BITS bits into xs (16-byte aligned), then a barrier; scaled
 // by norm_scale when non-null, and returns the factor every product with the staged input must
 // then be multiplied by: the RMS norm's 1 / rms(x) (norm over a single piece only), else 1.
@@ -168,11 +120,55 @@ __device__ float stage(const StageSource& src, const float* norm_scale, float ep
     const int cols = src.seg_cols * src.segments;
     float ss = 0.0f;
     const int words = cols / 8;
-    // Warp-uniform trip count: stage_word's shuffles need every lane.
-    for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
-        float e[8] = {};
-        if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
-        stage_word<BITS>(e, t, cols, t < words, xs);
+    if (BITS == 4) {
+        const int chunks = cols / 32;
+        float2* chunk_stats = reinterpret_cast<float2*>(xs + cols / 2);
+        // Warp-uniform trip count: the shuffles below need every lane.
+        for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
+            float e[8] = {};
+            if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
+            const int c = t >> 2, k = t & 3;
+            // The four words of a chunk belong to four consecutive threads of one warp.
+            float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+            float mx = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fabsf(e[j]));
+#pragma unroll
+            for (int o = 1; o <= 2; o <<= 1) {
+                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            }
+            const float to_int = mx > 0.0f ? 32767.0f / mx : 0.0f;
+            uint32_t q[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) q[j] = static_cast<uint32_t>(__float2int_rn(e[j] * to_int)) & 0xffffu;
+            if (t < words) {
+                reinterpret_cast<uint4*>(xs)[k * chunks + c] =
+                    make_uint4(q[0] | q[2] << 16, q[4] | q[6] << 16, q[1] | q[3] << 16, q[5] | q[7] << 16);
+                if (k == 0) chunk_stats[c] = make_float2(mx * (1.0f / 32767.0f), sum);
+            }
+        }
+    } else {
+        constexpr int VPC = 128 / BITS;
+        const int chunks = cols / VPC;
+        float* csum = xs + cols;
+        for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
+            float e[8] = {};
+            if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
+            // Word t: inputs 8t.. of chunk c = 8t / VPC, float4s q and q + 1 of it.
+            const int c = (8 * t) / VPC, q = ((8 * t) % VPC) / 4;
+            if (t < words) {
+                float4* x4 = reinterpret_cast<float4*>(xs);
+                x4[q * chunks + c] = make_float4(e[0], e[1], e[2], e[3]);
+                x4[(q + 1) * chunks + c] = make_float4(e[4], e[5], e[6], e[7]);
+            }
+            if (BITS == 8) {
+                // A 16-value chunk is two consecutive words.
+                float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                if ((t & 1) == 0 && t < words) csum[c] = sum;
+            }
+        }
     }
     const int warps = blockDim.x >> 5;
     if (norm_scale != nullptr) {
@@ -183,53 +179,6 @@ __device__ float stage(const StageSource& src, const float* norm_scale, float ep
     if (norm_scale == nullptr) return 1.0f;
     float total = 0.0f;
     for (int w = 0; w < warps; ++w) total += scratch[w];
-    return rsqrtf(total / cols + eps);
-}
-
-// `stage` for `tokens` (at most T) consecutive rows of x ([tokens, cols]) at once, so that
-// their reads are in flight together: row k goes to its own region of `token_floats` floats
-// from smem + k * token_floats, 64 floats of scratch (the sums of squares of its warps, see
-// staged_factor) then its staged input.
-template <int BITS, int T>
-__device__ void stage_tokens(const float* x, int cols, int tokens, const float* norm_scale, float* smem,
-                             int token_floats) {
-    const int words = cols / 8;
-    float ss[T];
-#pragma unroll
-    for (int k = 0; k < T; ++k) ss[k] = 0.0f;
-    // Four rows' words in flight at a time: eight would spill.
-    constexpr int G = T < 4 ? T : 4;
-    for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
-#pragma unroll
-        for (int k0 = 0; k0 < T; k0 += G) {
-            float e[G][8];
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) e[g][j] = 0.0f;
-                const StageSource src = {x + (size_t)(k0 + g) * cols, 0, cols, 1, nullptr};
-                if (t < words && k0 + g < tokens) source_eight(src, norm_scale, 8 * t, e[g], ss[k0 + g]);
-            }
-#pragma unroll
-            for (int g = 0; g < G; ++g)
-                if (k0 + g < tokens) stage_word<BITS>(e[g], t, cols, t < words, smem + (k0 + g) * token_floats + 64);
-        }
-    }
-    if (norm_scale != nullptr) {
-#pragma unroll
-        for (int k = 0; k < T; ++k) {
-            const float v = warp_sum(ss[k]);
-            if ((threadIdx.x & 31) == 0 && k < tokens) smem[k * token_floats + (threadIdx.x >> 5)] = v;
-        }
-    }
-    __syncthreads();
-}
-
-// The factor `stage` would have returned for a row staged by stage_tokens, from its scratch.
-__device__ __forceinline__ float staged_factor(const float* scratch, const float* norm_scale, int cols, float eps) {
-    if (norm_scale == nullptr) return 1.0f;
-    float total = 0.0f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
     return rsqrtf(total / cols + eps);
 }
 
@@ -470,110 +419,6 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
             rows[i] = next_rows[i];
         }
         row0 = next;
-    }
-}
-
-// Adds the pass loaded in p (chunks from `base`) to the rows' sums of each of `tokens` (at most
-// T) staged inputs, token k's `token_bytes` after token 0's (sx): the weights are loaded once
-// for all of them.
-template <int BITS, int R, int U, int T>
-__device__ __forceinline__ void use_pass_tokens(const RowRef (&rows)[R], const StagedX& sx, uint32_t token_bytes,
-                                                int tokens, int base, int lane, const Pass<R, U>& p,
-                                                RowSums<R> (&acc)[T]) {
-    uint4 xv[4];
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-        const int c = base + j * 32 + lane;
-        if (c >= sx.chunks) continue;
-#pragma unroll
-        for (int k = 0; k < T; ++k) {
-            if (k >= tokens) continue;
-            StagedX sk = sx;
-            sk.x += k * token_bytes;
-            sk.csum += k * token_bytes;
-            load_x<BITS>(sk, c, xv);
-            const float2 stats = BITS == 4   ? lds64(sk.csum + 8u * c)
-                                 : BITS == 8 ? make_float2(lds32(sk.csum + 4u * c), 0.0f)
-                                             : make_float2(0.0f, 0.0f);
-#pragma unroll
-            for (int i = 0; i < R; ++i) {
-                if (rows[i].data == nullptr) continue;
-                chunk_dot<BITS>(p.u[i][j], xv, stats, p.scale[i][j], p.bias[i][j], acc[k].total[i]);
-            }
-        }
-    }
-}
-
-// `matvec_impl` for `tokens` (at most T) consecutive rows of x and y ([tokens, cols] and
-// [tokens, rows]): each weight row is read once and dotted with every token's input, in the
-// same order as matvec_impl, so each token's result is exactly what matvec_impl gives it.
-// Shared memory: T * (64 + staged_floats(cols)) floats, then T * R per warp (the first rows of
-// y when accumulating, read before the wait; in registers they would spill).
-template <int BITS, int R, int U, int T>
-__device__ void matvec_tokens_impl(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
-                                   int accumulate, int tokens, float* smem) {
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const int chunks = w.cols / values_per_chunk(BITS);
-    const int stride = gridDim.x * warps * R;
-    const int token_floats = 64 + staged_floats(w.cols);
-    int row0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * R;
-    RowRef rows[R];
-    Pass<R, U> pass;
-#pragma unroll
-    for (int i = 0; i < R; ++i) rows[i] = row_ref(w, row0 + i);
-    load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
-    float* prior = smem + T * token_floats + (threadIdx.x >> 5) * T * R;
-    if (accumulate && lane == 0)
-#pragma unroll
-        for (int k = 0; k < T; ++k)
-#pragma unroll
-            for (int i = 0; i < R; ++i)
-                if (k < tokens && row0 + i < w.rows) prior[k * R + i] = y[(size_t)k * w.rows + row0 + i];
-    const int first_row0 = row0;
-    wait_for_previous_kernel();
-    stage_tokens<BITS, T>(x, w.cols, tokens, norm_scale, smem, token_floats);
-    const StagedX sx = staged_x<BITS>(smem + 64, w.cols);
-    const uint32_t token_bytes = 4u * token_floats;
-    while (row0 < w.rows) {
-        RowSums<R> acc[T];
-#pragma unroll
-        for (int k = 0; k < T; ++k) acc[k].clear();
-        for (int base = 0;;) {
-            use_pass_tokens<BITS, R, U, T>(rows, sx, token_bytes, tokens, base, lane, pass, acc);
-            base += 32 * U;
-            if (base >= chunks) break;
-            load_pass<BITS, R, U>(rows, base, chunks, w.group_shift, lane, pass);
-        }
-        const int next = row0 + stride;
-        RowRef next_rows[R];
-#pragma unroll
-        for (int i = 0; i < R; ++i) next_rows[i] = row_ref(w, next + i);
-        if (next < w.rows) load_pass<BITS, R, U>(next_rows, 0, chunks, w.group_shift, lane, pass);
-#pragma unroll
-        for (int k = 0; k < T; ++k) {
-            const float x_scale = staged_factor(smem + k * token_floats, norm_scale, w.cols, eps);
-#pragma unroll
-            for (int i = 0; i < R; ++i) {
-                const float v = warp_sum(acc[k].total[i]) * x_scale;
-                const int row = row0 + i;
-                float* out = y + (size_t)k * w.rows;
-                if (lane == 0 && k < tokens && row < w.rows)
-                    out[row] = accumulate ? (row0 == first_row0 ? prior[k * R + i] : out[row]) + v : v;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < R; ++i) rows[i] = next_rows[i];
-        row0 = next;
-    }
-}
-
-template <int R, int U, int T>
-__device__ void matvec_tokens_bits(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
-                                   int accumulate, int tokens, float* smem) {
-    switch (w.bits) {
-        case 4: matvec_tokens_impl<4, R, U, T>(w, x, norm_scale, eps, y, accumulate, tokens, smem); break;
-        case 8: matvec_tokens_impl<8, R, U, T>(w, x, norm_scale, eps, y, accumulate, tokens, smem); break;
-        default: matvec_tokens_impl<16, R, U, T>(w, x, norm_scale, eps, y, accumulate, tokens, smem); break;
     }
 }
 

@@ -29,7 +29,7 @@ use crate::config::ModelConfig;
 
 /// Token rows up to which a projection runs the decode mat-vec per token instead of the
 /// tensor-core product.
-pub(super) const MATVEC_MAX_TOKENS: usize = 4;
+const MATVEC_MAX_TOKENS: usize = 4;
 /// Rows of logits computed at a time when every position's logits are asked for.
 const LOGITS_ROWS: usize = 128;
 /// Query tokens per `attention_prefill` block (PREFILL_QUERY_TILE in attention.cu).
@@ -402,7 +402,7 @@ impl CudaBackend {
     /// `accumulate`): on tensor cores for 4- and 8-bit weights and more than MATVEC_MAX_TOKENS
     /// rows, else the decode mat-vec per token.
     #[allow(clippy::too_many_arguments)]
-    pub(in crate::backend::cuda) fn project(
+    fn project(
         &self,
         ps: &PrefillScratch,
         w: &DeviceWeight,

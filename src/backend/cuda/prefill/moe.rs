@@ -37,7 +37,7 @@ pub(super) fn max_group_tiles(c: &ModelConfig, n: usize, tile: usize) -> usize {
 
 impl CudaBackend {
     /// The MoE block of a layer for `n` token rows of the residual `x`, added to it.
-    pub(in crate::backend::cuda) fn moe_chunk(
+    pub(super) fn moe_chunk(
         &self,
         ps: &PrefillScratch,
         layer: &DeviceLayer,
