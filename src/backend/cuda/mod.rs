@@ -51,6 +51,9 @@ const NO_TABLE: u64 = 0;
 const MATVEC_THREADS: u32 = 256;
 /// Resident `matvec` blocks per SM (its launch bounds allow three): one wave of persistent blocks.
 const MATVEC_BLOCKS_PER_SM: usize = 3;
+/// Tokens per `matvec_mma` block (MMA_TOKENS in matvec.cu) and its resident blocks per SM.
+const MMA_TOKENS: usize = 8;
+const MMA_BLOCKS_PER_SM: usize = 2;
 /// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
@@ -533,6 +536,7 @@ struct Kernels {
     block_trace: Option<Mutex<CudaSlice<u64>>>,
     matvec: CudaFunction,
     matvec_two_rows: CudaFunction,
+    matvec_mma: CudaFunction,
     embed: CudaFunction,
     deltanet_step: CudaFunction,
     deltanet_conv_ring: CudaFunction,
@@ -789,6 +793,7 @@ impl CudaBackend {
             block_trace,
             matvec: get("matvec")?,
             matvec_two_rows: get("matvec_two_rows")?,
+            matvec_mma: get("matvec_mma")?,
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
             deltanet_conv_ring: get("deltanet_conv_ring")?,
@@ -824,6 +829,7 @@ impl CudaBackend {
         for f in [
             &k.matvec,
             &k.matvec_two_rows,
+            &k.matvec_mma,
             &k.moe_router_shared,
             &k.moe_gate_up,
             &k.moe_down,
@@ -1098,8 +1104,10 @@ impl CudaBackend {
         Ok(total - free)
     }
 
-    /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y
-    /// (a grid row each); added to y when `accumulate`. At most one wave of persistent blocks.
+    /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y;
+    /// added to y when `accumulate`. One token, or weights `matvec_mma` does not take: the
+    /// integer-dot mat-vec, a grid row per token; several: `matvec_mma` on tensor cores, each
+    /// weight row read once per MMA_TOKENS tokens. At most one wave of persistent blocks.
     /// `role` names the launch (the weight's part in the model) in errors and the critical path.
     #[allow(clippy::too_many_arguments)]
     fn matvec(
@@ -1117,6 +1125,37 @@ impl CudaBackend {
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
+        if tokens > 1 && mma_takes(w) {
+            let tiles = w.rows.div_ceil(16);
+            let warps = MATVEC_THREADS as usize / 32;
+            let blocks = tiles
+                .div_ceil(warps)
+                .min(self.num_sms as usize * MMA_BLOCKS_PER_SM);
+            let tokens32 = tokens as i32;
+            // SAFETY: x and y hold `tokens` rows of w.cols and w.rows floats; the weights are
+            // of a layout matvec_mma takes (mma_takes), its staging in mma_smem bytes.
+            return unsafe {
+                self.launch(
+                    role,
+                    &self.k.matvec_mma,
+                    cfg(
+                        blocks as u32,
+                        tokens.div_ceil(MMA_TOKENS) as u32,
+                        MATVEC_THREADS,
+                        mma_smem(w.cols),
+                    ),
+                    &mut [
+                        arg(&desc),
+                        arg(&x),
+                        arg(&norm),
+                        arg(&eps),
+                        arg(&y),
+                        arg(&acc),
+                        arg(&tokens32),
+                    ],
+                )
+            };
+        }
         let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
         let kernel = if rows_per_warp == 2 {
             &self.k.matvec_two_rows
@@ -1550,6 +1589,21 @@ fn matvec_rows_per_warp(cols: usize, bits: usize) -> usize {
     }
 }
 
+/// Whether `matvec_mma` takes `w`: 4- or 8-bit, each 16-byte chunk of a row inside one group,
+/// rows of whole quads of chunks, and its staging within the shared memory it may use.
+fn mma_takes(w: &DeviceWeight) -> bool {
+    (w.bits == 4 || w.bits == 8)
+        && w.group >= 128 / w.bits
+        && w.cols.is_multiple_of(512 / w.bits)
+        && mma_smem(w.cols) as usize <= MAX_DYNAMIC_SHARED_BYTES
+}
+
+/// Dynamic shared memory of `matvec_mma` for rows of `cols` inputs: MMA_TOKENS rows of cols + 4
+/// halves, then its reduction scratch and scales.
+fn mma_smem(cols: usize) -> u32 {
+    (MMA_TOKENS * (cols + 4) * 2 + (2 * MMA_TOKENS * 8 + MMA_TOKENS) * 4) as u32
+}
+
 /// Dynamic shared memory of a kernel that stages inputs of the given widths (`staged_floats` in
 /// rowdot.cuh: the input, chunk sums and a scale), after 64 floats of reduction scratch.
 fn staged_bytes(widths: &[usize]) -> u32 {
@@ -1563,7 +1617,7 @@ fn staged_bytes(widths: &[usize]) -> u32 {
 /// The `extern "C"` kernels each module defines.
 fn kernel_names(module: &str) -> &'static [&'static str] {
     match module {
-        "matvec" => &["matvec", "matvec_two_rows", "embed"],
+        "matvec" => &["matvec", "matvec_two_rows", "matvec_mma", "embed"],
         "deltanet" => &[
             "deltanet_step",
             "deltanet_conv_ring",

@@ -49,3 +49,230 @@ extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* tok
         x[i] = v;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Batched decode products on tensor cores: y[t] = W x[t] for the tokens of a batched step, each
+// weight row read once for MMA_TOKENS of them. The integer dot of `matvec` reads its staged
+// input from shared memory once per row and token, which at eight tokens is more shared-memory
+// traffic than the SM has; an mma.m16n8k16 takes a 16 x 16 tile of weights (dequantised to fp16
+// in registers) against 16 inputs of 8 tokens at once.
+//
+// A warp owns 16 rows (lane (g, c), g = lane / 4, c = lane % 4, holds rows g and g + 8) and walks
+// them 4 lanes x 16 bytes = 128 (4-bit) or 64 (8-bit) inputs at a time. A dot product does not
+// care in which order it visits k, so each lane feeds the mma the k values its own 16 bytes hold
+// (the A fragment's columns 2c, 2c + 1, 2c + 8, 2c + 9 of each step), and the inputs are staged
+// in the matching order: 4-bit: in a word of 8 nibbles, pairs (n0, n4), (n1, n5) make one step and
+// (n2, n6), (n3, n7) the next, so each group of 8 inputs is stored as (0, 4, 1, 5, 2, 6, 3, 7);
+// 8-bit: bytes (b0, b2), (b1, b3) of a word make a step, groups of 4 stored as (0, 2, 1, 3). A
+// lane's B fragment for a step is then 4 consecutive fp16 values: one 8-byte shared load.
+//
+// The inputs are held in fp16 after division by a per-token power of two (|x / s| < 2^14), the
+// RMS norm applied before; products accumulate in f32.
+
+#define MMA_TOKENS 8   // tokens per block (the mma's n)
+#define MMA_PASS 4     // 16-byte loads per row and lane in flight per pass
+
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Where input i of a group is stored for BITS-bit weights (see above).
+template <int BITS>
+__device__ __forceinline__ int mma_slot(int i) {
+    if (BITS == 4) {
+        const int p = i & 7;
+        return (i & ~7) + (p < 4 ? 2 * p : 2 * (p - 4) + 1);
+    }
+    const int p = i & 3;
+    return (i & ~3) + (p == 1 ? 2 : p == 2 ? 1 : p);
+}
+
+// (scale * q + bias) for the two values at bits [shift, shift + BITS) and [shift + 16, ...) of w,
+// as an fp16 pair.
+template <int BITS>
+__device__ __forceinline__ uint32_t mma_dequant(uint32_t w, int shift, __half2 scale, __half2 bias) {
+    const uint32_t mask = BITS == 4 ? 0x000F000Fu : 0x00FF00FFu;
+    const __half2 q = __hsub2(as_half2(mask_or(w >> shift, mask, 0x64006400u)), __float2half2_rn(1024.0f));
+    const __half2 v = __hfma2(q, scale, bias);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Stages `tokens` (at most MMA_TOKENS) rows of x ([tokens, cols]) as fp16 in the mma order, row t
+// at xs + t * stride halves (zeros for rows past `tokens`), and out_scale[t] = what each product
+// with row t must be multiplied by (its power of two, times 1 / rms when norm_scale is given,
+// which the staged values already include). `red`: 2 * MMA_TOKENS * 8 floats.
+template <int BITS>
+__device__ void mma_stage(const float* x, int cols, int tokens, const float* norm_scale, float eps, __half* xs,
+                          int stride, float* red, float* out_scale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float ss[MMA_TOKENS], mx[MMA_TOKENS];
+#pragma unroll
+    for (int t = 0; t < MMA_TOKENS; ++t) {
+        ss[t] = 0.0f;
+        mx[t] = 0.0f;
+        if (t >= tokens) continue;
+        for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
+            const float4 v = *reinterpret_cast<const float4*>(x + (size_t)t * cols + i);
+            float4 n = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+            if (norm_scale != nullptr) n = *reinterpret_cast<const float4*>(norm_scale + i);
+            ss[t] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            mx[t] = fmaxf(mx[t], fmaxf(fmaxf(fabsf(v.x * n.x), fabsf(v.y * n.y)), fmaxf(fabsf(v.z * n.z), fabsf(v.w * n.w))));
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MMA_TOKENS; ++t) {
+        const float s = warp_sum(ss[t]), m = warp_max(mx[t]);
+        if (lane == 0) {
+            red[t * 8 + warp] = s;
+            red[(MMA_TOKENS + t) * 8 + warp] = m;
+        }
+    }
+    __syncthreads();
+    for (int t = 0; t < MMA_TOKENS; ++t) {
+        float s = 0.0f, m = 0.0f;
+        for (int w = 0; w < warps; ++w) {
+            s += red[t * 8 + w];
+            m = fmaxf(m, red[(MMA_TOKENS + t) * 8 + w]);
+        }
+        const float inv = norm_scale != nullptr ? rsqrtf(s / cols + eps) : 1.0f;
+        // The power of two that brings the largest staged value under 2^14.
+        int e = 0;
+        if (m * inv > 0.0f) frexpf(m * inv, &e);
+        const float pow2 = ldexpf(1.0f, max(e - 14, -126));
+        const float to_half = t < tokens ? inv / pow2 : 0.0f;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            const float n = norm_scale != nullptr ? norm_scale[i] : 1.0f;
+            const float v = t < tokens ? x[(size_t)t * cols + i] * n * to_half : 0.0f;
+            xs[t * stride + mma_slot<BITS>(i)] = __float2half_rn(v);
+        }
+        if (threadIdx.x == 0) out_scale[t] = pow2;
+    }
+    __syncthreads();
+}
+
+// One pass of a warp's rows g and g + 8: MMA_PASS 16-byte chunks of each from `chunk` (4 lanes
+// of a quad side by side), with their groups' scales and biases as fp16 pairs.
+struct MmaPass {
+    uint4 lo[MMA_PASS], hi[MMA_PASS];
+    __half2 scale_lo[MMA_PASS], bias_lo[MMA_PASS], scale_hi[MMA_PASS], bias_hi[MMA_PASS];
+};
+
+template <int BITS>
+__device__ __forceinline__ void mma_load(const RowRef& lo, const RowRef& hi, int chunk0, int chunks, int group_shift,
+                                         int c, MmaPass& p) {
+#pragma unroll
+    for (int j = 0; j < MMA_PASS; ++j) {
+        const int chunk = chunk0 + 4 * j + c;
+        const bool in = chunk < chunks;
+        const int g = (chunk * (128 / BITS)) >> group_shift;
+        const bool have_lo = in && lo.data != nullptr, have_hi = in && hi.data != nullptr;
+        p.lo[j] = have_lo ? load_weights(lo.data + chunk) : make_uint4(0, 0, 0, 0);
+        p.hi[j] = have_hi ? load_weights(hi.data + chunk) : make_uint4(0, 0, 0, 0);
+        p.scale_lo[j] = __float2half2_rn(have_lo ? __bfloat162float(lo.scales[g]) : 0.0f);
+        p.bias_lo[j] = __float2half2_rn(have_lo ? __bfloat162float(lo.biases[g]) : 0.0f);
+        p.scale_hi[j] = __float2half2_rn(have_hi ? __bfloat162float(hi.scales[g]) : 0.0f);
+        p.bias_hi[j] = __float2half2_rn(have_hi ? __bfloat162float(hi.biases[g]) : 0.0f);
+    }
+}
+
+// Adds the pass's products with the staged inputs (token g's row at xs + g * stride halves) to
+// acc (the C fragment: rows g, g + 8 by tokens 2c, 2c + 1).
+template <int BITS>
+__device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks, uint32_t xs, int stride, int g,
+                                        int c, float (&acc)[4]) {
+    constexpr int VPC = 128 / BITS;  // inputs per 16-byte chunk
+#pragma unroll
+    for (int j = 0; j < MMA_PASS; ++j) {
+        const int chunk = chunk0 + 4 * j + c;
+        if (chunk0 + 4 * j >= chunks) break;
+        const uint32_t wl[4] = {p.lo[j].x, p.lo[j].y, p.lo[j].z, p.lo[j].w};
+        const uint32_t wh[4] = {p.hi[j].x, p.hi[j].y, p.hi[j].z, p.hi[j].w};
+        // This lane's inputs: chunk `chunk` of token g's staged row.
+        const uint32_t x_at = xs + 2u * (uint32_t)(g * stride + chunk * VPC);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#pragma unroll
+            for (int h = 0; h < (BITS == 4 ? 2 : 1); ++h) {
+                // 4-bit: nibble pairs (2h, 2h + 4) and (2h + 1, 2h + 5); 8-bit: bytes (0, 2), (1, 3).
+                const int s0 = BITS == 4 ? 8 * h : 0, s1 = BITS == 4 ? 8 * h + 4 : 8;
+                uint32_t a[4];
+                a[0] = mma_dequant<BITS>(wl[k], s0, p.scale_lo[j], p.bias_lo[j]);
+                a[1] = mma_dequant<BITS>(wh[k], s0, p.scale_hi[j], p.bias_hi[j]);
+                a[2] = mma_dequant<BITS>(wl[k], s1, p.scale_lo[j], p.bias_lo[j]);
+                a[3] = mma_dequant<BITS>(wh[k], s1, p.scale_hi[j], p.bias_hi[j]);
+                const float2 b = lds64(x_at + 2u * (uint32_t)(k * (VPC / 4) + 4 * h));
+                mma_f16_16816(acc, a, __float_as_uint(b.x), __float_as_uint(b.y));
+            }
+        }
+    }
+}
+
+// y[t] = W x[t] (+= when `accumulate`; x RMS-normalised by norm_scale when non-null) for the
+// `tokens` rows of x and y of a batched decode step, on tensor cores: block row blockIdx.y takes
+// tokens MMA_TOKENS * blockIdx.y .. + MMA_TOKENS - 1, its warps 16 weight rows at a time,
+// persistent over the rows. W: 4- or 8-bit, groups of at least 128 / bits inputs, cols a
+// multiple of 512 / bits. Shared memory: MMA_TOKENS * (cols + 4) halves, then 2 * MMA_TOKENS * 8
+// + MMA_TOKENS floats.
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const float* x, const float* norm_scale,
+                                                              float eps, float* y, int accumulate, int tokens) {
+    TRACE_BLOCK();
+    extern __shared__ __align__(16) float smem[];
+    const int first = blockIdx.y * MMA_TOKENS;
+    tokens = min(MMA_TOKENS, tokens - first);
+    x += (size_t)first * w.cols;
+    y += (size_t)first * w.rows;
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warps = blockDim.x >> 5;
+    // Rows of consecutive tokens 2 cols + 8 bytes apart: the 8-byte loads of a warp's 8 tokens
+    // and 4 chunks then fall in distinct banks but for pairs.
+    const int stride = w.cols + 4;
+    __half* xs = reinterpret_cast<__half*>(smem);
+    float* red = reinterpret_cast<float*>(xs + MMA_TOKENS * stride);
+    float* out_scale = red + 2 * MMA_TOKENS * 8;
+    const int chunks = (w.cols * w.bits) >> 7;
+    const int tiles = (w.rows + 15) >> 4;
+    int tile = blockIdx.x * warps + (threadIdx.x >> 5);
+    MmaPass pass;
+    RowRef lo = row_ref(w, tile * 16 + g), hi = row_ref(w, tile * 16 + g + 8);
+    // The first pass of this warp's first rows is in flight while the previous kernel finishes.
+    if (tile < tiles) {
+        if (w.bits == 4) mma_load<4>(lo, hi, 0, chunks, w.group_shift, c, pass);
+        else mma_load<8>(lo, hi, 0, chunks, w.group_shift, c, pass);
+    }
+    wait_for_previous_kernel();
+    if (w.bits == 4) mma_stage<4>(x, w.cols, tokens, norm_scale, eps, xs, stride, red, out_scale);
+    else mma_stage<8>(x, w.cols, tokens, norm_scale, eps, xs, stride, red, out_scale);
+    const uint32_t xs_at = shared_address(xs);
+    for (; tile < tiles; tile += gridDim.x * warps) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int chunk0 = 0;;) {
+            if (w.bits == 4) mma_use<4>(pass, chunk0, chunks, xs_at, stride, g, c, acc);
+            else mma_use<8>(pass, chunk0, chunks, xs_at, stride, g, c, acc);
+            chunk0 += 4 * MMA_PASS;
+            if (chunk0 >= chunks) break;
+            if (w.bits == 4) mma_load<4>(lo, hi, chunk0, chunks, w.group_shift, c, pass);
+            else mma_load<8>(lo, hi, chunk0, chunks, w.group_shift, c, pass);
+        }
+        const int next = tile + gridDim.x * warps;
+        const int row = tile * 16 + g;
+        lo = row_ref(w, next * 16 + g);
+        hi = row_ref(w, next * 16 + g + 8);
+        if (next < tiles) {
+            if (w.bits == 4) mma_load<4>(lo, hi, 0, chunks, w.group_shift, c, pass);
+            else mma_load<8>(lo, hi, 0, chunks, w.group_shift, c, pass);
+        }
+        // acc: (row, token 2c), (row, 2c + 1), (row + 8, 2c), (row + 8, 2c + 1).
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int t = 2 * c + (i & 1), r = row + 8 * (i >> 1);
+            if (t < tokens && r < w.rows) {
+                float* out = y + (size_t)t * w.rows + r;
+                const float v = acc[i] * out_scale[t];
+                *out = accumulate ? *out + v : v;
+            }
+        }
+    }
+}
