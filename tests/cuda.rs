@@ -804,9 +804,18 @@ fn quantized_batches_decode_like_the_cpu() {
                 cpu_bf16.new_state().unwrap(),
                 gpu.new_state().unwrap(),
             );
-            next.push(argmax(&cpu.prefill(&mut c, p, LogitsFor::Last).unwrap()));
-            cpu_bf16.prefill(&mut c16, p, LogitsFor::Last).unwrap();
-            gpu.prefill(&mut g, p, LogitsFor::Last).unwrap();
+            let want = cpu.prefill(&mut c, p, LogitsFor::Last).unwrap();
+            let spread = relative_error(
+                &cpu_bf16.prefill(&mut c16, p, LogitsFor::Last).unwrap(),
+                &want,
+            );
+            let err = relative_error(&gpu.prefill(&mut g, p, LogitsFor::Last).unwrap(), &want);
+            assert!(
+                err <= SPREADS * spread,
+                "{bits}-bit, prefill of {} tokens: error {err} above {SPREADS} x spread {spread}",
+                p.len()
+            );
+            next.push(argmax(&want));
             cpus.push(c);
             spreads.push(c16);
             gpus.push(g);

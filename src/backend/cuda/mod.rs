@@ -1125,13 +1125,12 @@ impl CudaBackend {
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
-        if tokens > 1 && mma_takes(w) {
-            let tiles = w.rows.div_ceil(16);
+        if tokens > 1 && mma_takes(w.bits, w.group, w.cols) {
             let warps = MATVEC_THREADS as usize / 32;
-            let blocks = tiles
-                .div_ceil(warps)
-                .min(self.num_sms as usize * MMA_BLOCKS_PER_SM);
-            let tokens32 = tokens as i32;
+            let resident = self.num_sms as usize * MMA_BLOCKS_PER_SM;
+            let (tiles, ksplit) = mma_split(w.rows, w.cols, w.bits, resident * warps);
+            let blocks = tiles.div_ceil(warps / ksplit).min(resident);
+            let (tokens32, ksplit32) = (tokens as i32, ksplit as i32);
             // SAFETY: x and y hold `tokens` rows of w.cols and w.rows floats; the weights are
             // of a layout matvec_mma takes (mma_takes), its staging in mma_smem bytes.
             return unsafe {
@@ -1152,6 +1151,7 @@ impl CudaBackend {
                         arg(&y),
                         arg(&acc),
                         arg(&tokens32),
+                        arg(&ksplit32),
                     ],
                 )
             };
@@ -1589,19 +1589,40 @@ fn matvec_rows_per_warp(cols: usize, bits: usize) -> usize {
     }
 }
 
-/// Whether `matvec_mma` takes `w`: 4- or 8-bit, each 16-byte chunk of a row inside one group,
-/// rows of whole quads of chunks, and its staging within the shared memory it may use.
-fn mma_takes(w: &DeviceWeight) -> bool {
-    (w.bits == 4 || w.bits == 8)
-        && w.group >= 128 / w.bits
-        && w.cols.is_multiple_of(512 / w.bits)
-        && mma_smem(w.cols) as usize <= MAX_DYNAMIC_SHARED_BYTES
+/// Whether `matvec_mma` takes weights of `bits` bits in groups of `group`, rows of `cols`: 4-
+/// or 8-bit, each 16-byte chunk of a row inside one group, rows of whole quads of chunks, and
+/// its staging within the shared memory it may use.
+fn mma_takes(bits: usize, group: usize, cols: usize) -> bool {
+    (bits == 4 || bits == 8)
+        && group >= 128 / bits
+        && cols.is_multiple_of(512 / bits)
+        && mma_smem(cols) as usize <= MAX_DYNAMIC_SHARED_BYTES
 }
 
 /// Dynamic shared memory of `matvec_mma` for rows of `cols` inputs: MMA_TOKENS rows of cols + 4
-/// halves, then its reduction scratch and scales.
+/// halves, then its reduction scratch and scales, then the slices' sums (a float4 per lane of
+/// 8 warps).
 fn mma_smem(cols: usize) -> u32 {
-    (MMA_TOKENS * (cols + 4) * 2 + (2 * MMA_TOKENS * 8 + MMA_TOKENS) * 4) as u32
+    (MMA_TOKENS * (cols + 4) * 2 + (2 * MMA_TOKENS * 8 + MMA_TOKENS + 8 * 32 * 4) * 4) as u32
+}
+
+/// `matvec_mma`'s tiles of 16 rows of a `rows` x `cols` matrix of `bits` bits and the warps that
+/// share each (1, 2, 4 or 8): the fewest that give `warps` warps work, each slice whole quads of
+/// 16-byte chunks.
+fn mma_split(rows: usize, cols: usize, bits: usize, warps: usize) -> (usize, usize) {
+    let tiles = rows.div_ceil(16);
+    let chunks = cols * bits / 128;
+    let allowed: Vec<usize> = [1, 2, 4, 8]
+        .into_iter()
+        .take_while(|&k| chunks.is_multiple_of(4 * k))
+        .collect();
+    let ksplit = allowed
+        .iter()
+        .copied()
+        .find(|&k| tiles * k >= warps)
+        .or(allowed.last().copied())
+        .unwrap_or(1);
+    (tiles, ksplit)
 }
 
 /// Dynamic shared memory of a kernel that stages inputs of the given widths (`staged_floats` in
@@ -1724,6 +1745,25 @@ mod tests {
         assert!(DeltaNetShape::of(&with_linear_dims(256, 128)).is_none());
         // 3 columns cannot make whole warps.
         assert!(DeltaNetShape::of(&with_linear_dims(4, 3)).is_none());
+    }
+
+    #[test]
+    fn tensor_core_mat_vec_splits_few_rows_over_more_warps() {
+        // 2,112 warps on an H200 (132 SMs, two blocks of 8 warps each).
+        let warps = 2112;
+        // out_proj: 128 tiles of 16 rows, 128 chunks per row: 8 warps per tile.
+        assert_eq!(mma_split(2048, 4096, 4, warps), (128, 8));
+        // in_proj: 772 tiles, 64 chunks: 4 warps per tile.
+        assert_eq!(mma_split(12352, 2048, 4, warps), (772, 4));
+        // lm_head: enough tiles for every warp.
+        assert_eq!(mma_split(248320, 2048, 4, warps), (15520, 1));
+        // Slices stay whole quads of chunks: 8 chunks per row allow two slices at most.
+        assert_eq!(mma_split(64, 256, 4, warps), (4, 2));
+        assert!(mma_takes(4, 64, 4096));
+        assert!(mma_takes(8, 32, 2048));
+        assert!(!mma_takes(16, 0, 4096));
+        assert!(!mma_takes(4, 64, 96));
+        assert!(!mma_takes(4, 16, 2048));
     }
 
     #[test]

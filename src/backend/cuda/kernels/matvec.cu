@@ -213,65 +213,87 @@ __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks
 
 // y[t] = W x[t] (+= when `accumulate`; x RMS-normalised by norm_scale when non-null) for the
 // `tokens` rows of x and y of a batched decode step, on tensor cores: block row blockIdx.y takes
-// tokens MMA_TOKENS * blockIdx.y .. + MMA_TOKENS - 1, its warps 16 weight rows at a time,
-// persistent over the rows. W: 4- or 8-bit, groups of at least 128 / bits inputs, cols a
-// multiple of 512 / bits. Shared memory: MMA_TOKENS * (cols + 4) halves, then 2 * MMA_TOKENS * 8
-// + MMA_TOKENS floats.
+// tokens MMA_TOKENS * blockIdx.y .. + MMA_TOKENS - 1. `ksplit` warps (1, 2, 4 or 8) share a tile
+// of 16 weight rows, each a slice of its chunks, so that matrices of few rows still spread over
+// every SM; the block's warps hold 8 / ksplit tiles at a time, persistent over the rows, and
+// add up a tile's slices in shared memory. W: 4- or 8-bit, groups of at least 128 / bits
+// inputs, chunks per row (cols * bits / 128) a multiple of 4 * ksplit. Shared memory:
+// MMA_TOKENS * (cols + 4) halves, then 2 * MMA_TOKENS * 8 + MMA_TOKENS floats, then 8 * 32 * 4
+// floats (the slices' sums).
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const float* x, const float* norm_scale,
-                                                              float eps, float* y, int accumulate, int tokens) {
+                                                              float eps, float* y, int accumulate, int tokens,
+                                                              int ksplit) {
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const int first = blockIdx.y * MMA_TOKENS;
     tokens = min(MMA_TOKENS, tokens - first);
     x += (size_t)first * w.cols;
     y += (size_t)first * w.rows;
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
     // Rows of consecutive tokens 2 cols + 8 bytes apart: the 8-byte loads of a warp's 8 tokens
     // and 4 chunks then fall in distinct banks but for pairs.
     const int stride = w.cols + 4;
     __half* xs = reinterpret_cast<__half*>(smem);
     float* red = reinterpret_cast<float*>(xs + MMA_TOKENS * stride);
     float* out_scale = red + 2 * MMA_TOKENS * 8;
+    float* slices = out_scale + MMA_TOKENS;  // [warp][lane][4]
     const int chunks = (w.cols * w.bits) >> 7;
     const int tiles = (w.rows + 15) >> 4;
-    int tile = blockIdx.x * warps + (threadIdx.x >> 5);
+    const int per_block = warps / ksplit, slice = warp % ksplit;
+    const int span = chunks / ksplit, begin = slice * span, end = begin + span;
+    int tile = blockIdx.x * per_block + warp / ksplit;
     MmaPass pass;
     RowRef lo = row_ref(w, tile * 16 + g), hi = row_ref(w, tile * 16 + g + 8);
     // The first pass of this warp's first rows is in flight while the previous kernel finishes.
-    if (tile < tiles) {
-        if (w.bits == 4) mma_load<4>(lo, hi, 0, chunks, w.group_shift, c, pass);
-        else mma_load<8>(lo, hi, 0, chunks, w.group_shift, c, pass);
-    }
+    if (w.bits == 4) mma_load<4>(lo, hi, begin, end, w.group_shift, c, pass);
+    else mma_load<8>(lo, hi, begin, end, w.group_shift, c, pass);
     wait_for_previous_kernel();
     if (w.bits == 4) mma_stage<4>(x, w.cols, tokens, norm_scale, eps, xs, stride, red, out_scale);
     else mma_stage<8>(x, w.cols, tokens, norm_scale, eps, xs, stride, red, out_scale);
     const uint32_t xs_at = shared_address(xs);
-    for (; tile < tiles; tile += gridDim.x * warps) {
+    // A block-uniform trip count: the slices meet at barriers.
+    for (int group = blockIdx.x; group * per_block < tiles; group += gridDim.x) {
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int chunk0 = 0;;) {
-            if (w.bits == 4) mma_use<4>(pass, chunk0, chunks, xs_at, stride, g, c, acc);
-            else mma_use<8>(pass, chunk0, chunks, xs_at, stride, g, c, acc);
+        for (int chunk0 = begin;;) {
+            if (w.bits == 4) mma_use<4>(pass, chunk0, end, xs_at, stride, g, c, acc);
+            else mma_use<8>(pass, chunk0, end, xs_at, stride, g, c, acc);
             chunk0 += 4 * MMA_PASS;
-            if (chunk0 >= chunks) break;
-            if (w.bits == 4) mma_load<4>(lo, hi, chunk0, chunks, w.group_shift, c, pass);
-            else mma_load<8>(lo, hi, chunk0, chunks, w.group_shift, c, pass);
+            if (chunk0 >= end) break;
+            if (w.bits == 4) mma_load<4>(lo, hi, chunk0, end, w.group_shift, c, pass);
+            else mma_load<8>(lo, hi, chunk0, end, w.group_shift, c, pass);
         }
-        const int next = tile + gridDim.x * warps;
         const int row = tile * 16 + g;
-        lo = row_ref(w, next * 16 + g);
-        hi = row_ref(w, next * 16 + g + 8);
-        if (next < tiles) {
-            if (w.bits == 4) mma_load<4>(lo, hi, 0, chunks, w.group_shift, c, pass);
-            else mma_load<8>(lo, hi, 0, chunks, w.group_shift, c, pass);
+        tile += gridDim.x * per_block;
+        lo = row_ref(w, tile * 16 + g);
+        hi = row_ref(w, tile * 16 + g + 8);
+        if (w.bits == 4) mma_load<4>(lo, hi, begin, end, w.group_shift, c, pass);
+        else mma_load<8>(lo, hi, begin, end, w.group_shift, c, pass);
+        if (ksplit > 1) {
+            float4* mine = reinterpret_cast<float4*>(slices) + warp * 32 + lane;
+            *mine = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            __syncthreads();
+            if (slice == 0) {
+                for (int s = 1; s < ksplit; ++s) {
+                    const float4 o = mine[s * 32];
+                    acc[0] += o.x;
+                    acc[1] += o.y;
+                    acc[2] += o.z;
+                    acc[3] += o.w;
+                }
+            }
+            __syncthreads();
         }
         // acc: (row, token 2c), (row, 2c + 1), (row + 8, 2c), (row + 8, 2c + 1).
+        if (slice == 0) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int t = 2 * c + (i & 1), r = row + 8 * (i >> 1);
-            if (t < tokens && r < w.rows) {
-                float* out = y + (size_t)t * w.rows + r;
-                const float v = acc[i] * out_scale[t];
-                *out = accumulate ? *out + v : v;
+            for (int i = 0; i < 4; ++i) {
+                const int t = 2 * c + (i & 1), r = row + 8 * (i >> 1);
+                if (t < tokens && r < w.rows) {
+                    float* out = y + (size_t)t * w.rows + r;
+                    const float v = acc[i] * out_scale[t];
+                    *out = accumulate ? *out + v : v;
+                }
             }
         }
     }
