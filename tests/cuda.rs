@@ -403,6 +403,37 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
     }
 }
 
+/// A prefill chunk of a single token (a one-token prompt, or a prompt one token longer than
+/// whole chunks) leaves its conv input in the ring like any other: decode after it matches the
+/// CPU (it once read zeros there instead).
+#[test]
+fn single_token_prefill_chunks_hand_their_conv_inputs_to_decode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = [
+        fixtures()[0].clone(),
+        quantized_fixture(&tmp.path().join("q4"), 4, 64),
+    ];
+    for dir in dirs {
+        let model = Arc::new(Model::load(&dir).unwrap());
+        let vocab = model.config.vocab_size as u32;
+        let gpu = CudaBackend::new(
+            &model,
+            CudaOptions {
+                max_context: 64,
+                max_sequences: 1,
+                use_graphs: true,
+                prefill_chunk: 8,
+            },
+        )
+        .unwrap();
+        for len in [1, 17] {
+            let prompt: Vec<u32> = (0..len).map(|i| (i * 31 + 7) % vocab).collect();
+            let label = format!("{}, {len}-token prompt in chunks of 8", dir.display());
+            prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::Last, 4, &label);
+        }
+    }
+}
+
 /// Prefills `prompt` (logits for `which`) on the GPU and on the CPU, then takes `steps` greedy
 /// decode steps from the states prefill left; at every stage the GPU's logits must stay within
 /// SPREADS calibrated bf16 spreads of the CPU's.

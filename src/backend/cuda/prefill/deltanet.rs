@@ -51,12 +51,16 @@ impl CudaBackend {
         l: &DeltaNetParams,
         n: usize,
     ) -> Result<()> {
-        if scan_fits(&self.config) {
+        // deltanet_step records a single token's conv input in the ring itself; everything else
+        // (the chunk kernels, or the step over several tokens) leaves it to deltanet_conv_ring.
+        let recorded = if scan_fits(&self.config) {
             self.deltanet_prefill(ps, l, n)?;
+            false
         } else {
             self.deltanet_step(l, n, 1)?;
-        }
-        if n > 1 {
+            n == 1
+        };
+        if !recorded {
             let c = &self.config;
             let entries = n.min(c.linear_conv_kernel_dim) * c.linear_conv_dim();
             let n32 = n as i32;
