@@ -755,55 +755,52 @@ fn batch_prompts(dir: &Path, vocab: u32, count: usize) -> Vec<Vec<u32>> {
 #[test]
 fn batched_decode_matches_each_sequence_decoded_alone() {
     let dir = &fixtures()[0];
-    {
-        let model_dir = dir.clone();
-        let model = Model::load(&model_dir).unwrap();
-        let vocab = model.config.vocab_size as u32;
-        let batch_prompts = batch_prompts(dir, vocab, 10);
-        let gpu = cuda(&model, 3 * batch_prompts.len());
-        let steps = 10;
-        let runs: Vec<AloneRun> = batch_prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| alone(&gpu, p, steps, 1000 * i as u64))
-            .collect();
+    let model = Model::load(dir).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let batch_prompts = batch_prompts(dir, vocab, 10);
+    let gpu = cuda(&model, 3 * batch_prompts.len());
+    let steps = 10;
+    let runs: Vec<AloneRun> = batch_prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| alone(&gpu, p, steps, 1000 * i as u64))
+        .collect();
 
-        let mut greedy = Vec::new();
-        for p in &batch_prompts {
-            let mut s = gpu.new_state().unwrap();
-            gpu.prefill(&mut s, p, LogitsFor::Last).unwrap();
-            greedy.push(s);
-        }
-        let mut logits_states: Vec<_> = greedy.iter().map(|s| gpu.fork(s).unwrap()).collect();
-        let mut sampled: Vec<_> = greedy.iter().map(|s| gpu.fork(s).unwrap()).collect();
-        // Sequence 1 leaves the batch after this many steps.
-        let leaves = 4;
-        for step in 0..steps {
-            let members: Vec<usize> = (0..batch_prompts.len())
-                .filter(|&i| i != 1 || step < leaves)
-                .collect();
-            let pick = |states| members_of(states, &members);
-            let tokens: Vec<u32> = members.iter().map(|&i| runs[i].greedy[step]).collect();
-            let ids = gpu.decode_greedy(&mut pick(&mut greedy), &tokens).unwrap();
-            let logits = gpu.decode(&mut pick(&mut logits_states), &tokens).unwrap();
-            let sampled_tokens: Vec<u32> = members.iter().map(|&i| runs[i].sampled[step]).collect();
-            let draws: Vec<DeviceDraw> = members
-                .iter()
-                .map(|&i| sample_draw(1000 * i as u64 + step as u64, vocab as usize))
-                .collect();
-            let drawn = gpu
-                .decode_sample(&mut pick(&mut sampled), &sampled_tokens, &draws)
-                .unwrap();
-            for (row, &i) in members.iter().enumerate() {
-                let label = format!("{}, sequence {i}, step {step}", model_dir.display());
-                assert_eq!(ids[row], runs[i].greedy[step + 1], "greedy id: {label}");
-                let row_logits = &logits[row * vocab as usize..(row + 1) * vocab as usize];
-                assert!(
-                    row_logits == runs[i].logits[step].as_slice(),
-                    "logits: {label}"
-                );
-                assert_eq!(drawn[row], runs[i].sampled[step + 1], "sampled id: {label}");
-            }
+    let mut greedy = Vec::new();
+    for p in &batch_prompts {
+        let mut s = gpu.new_state().unwrap();
+        gpu.prefill(&mut s, p, LogitsFor::Last).unwrap();
+        greedy.push(s);
+    }
+    let mut logits_states: Vec<_> = greedy.iter().map(|s| gpu.fork(s).unwrap()).collect();
+    let mut sampled: Vec<_> = greedy.iter().map(|s| gpu.fork(s).unwrap()).collect();
+    // Sequence 1 leaves the batch after this many steps.
+    let leaves = 4;
+    for step in 0..steps {
+        let members: Vec<usize> = (0..batch_prompts.len())
+            .filter(|&i| i != 1 || step < leaves)
+            .collect();
+        let pick = |states| members_of(states, &members);
+        let tokens: Vec<u32> = members.iter().map(|&i| runs[i].greedy[step]).collect();
+        let ids = gpu.decode_greedy(&mut pick(&mut greedy), &tokens).unwrap();
+        let logits = gpu.decode(&mut pick(&mut logits_states), &tokens).unwrap();
+        let sampled_tokens: Vec<u32> = members.iter().map(|&i| runs[i].sampled[step]).collect();
+        let draws: Vec<DeviceDraw> = members
+            .iter()
+            .map(|&i| sample_draw(1000 * i as u64 + step as u64, vocab as usize))
+            .collect();
+        let drawn = gpu
+            .decode_sample(&mut pick(&mut sampled), &sampled_tokens, &draws)
+            .unwrap();
+        for (row, &i) in members.iter().enumerate() {
+            let label = format!("sequence {i}, step {step}");
+            assert_eq!(ids[row], runs[i].greedy[step + 1], "greedy id: {label}");
+            let row_logits = &logits[row * vocab as usize..(row + 1) * vocab as usize];
+            assert!(
+                row_logits == runs[i].logits[step].as_slice(),
+                "logits: {label}"
+            );
+            assert_eq!(drawn[row], runs[i].sampled[step + 1], "sampled id: {label}");
         }
     }
 }
@@ -824,7 +821,7 @@ fn quantized_batches_decode_like_the_cpu() {
         let cpu = CpuBackend::new(model.clone());
         let cpu_bf16 = CpuBackend::with_bf16_activations(model.clone());
         let batch_prompts = batch_prompts(dir, vocab as u32, 10);
-        let gpu = cuda(&model, batch_prompts.len());
+        let gpu = cuda(&model, 2 * batch_prompts.len());
         let mut cpus = Vec::new();
         let mut spreads = Vec::new();
         let mut gpus = Vec::new();
@@ -857,10 +854,19 @@ fn quantized_batches_decode_like_the_cpu() {
                 .filter(|&i| i != 0 || step < 3)
                 .collect();
             let tokens: Vec<u32> = members.iter().map(|&i| next[i]).collect();
+            // The batch's greedy step, on copies of its states, picks the argmax of its logits.
+            let mut forks: Vec<_> = members
+                .iter()
+                .map(|&i| gpu.fork(&gpus[i]).unwrap())
+                .collect();
+            let mut fork_refs: Vec<_> = forks.iter_mut().collect();
+            let ids = gpu.decode_greedy(&mut fork_refs, &tokens).unwrap();
+            drop(forks);
             let got = gpu
                 .decode(&mut members_of(&mut gpus, &members), &tokens)
                 .unwrap();
             for (row, &i) in members.iter().enumerate() {
+                assert_eq!(ids[row], argmax(&got[row * vocab..(row + 1) * vocab]));
                 let want = cpu.decode(&mut [&mut cpus[i]], &[next[i]]).unwrap();
                 let bf16 = cpu_bf16.decode(&mut [&mut spreads[i]], &[next[i]]).unwrap();
                 let spread = relative_error(&bf16, &want);
