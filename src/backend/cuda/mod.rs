@@ -1,5 +1,5 @@
-//! The CUDA backend (H200, sm_90a): hand-written kernels for batch-1 decode, replayed as CUDA
-//! graphs, and tensor-core kernels for prefill.
+//! The CUDA backend (H200, sm_90a): hand-written kernels for decode (one sequence, or a batch
+//! of sequences in one step), replayed as CUDA graphs, and tensor-core kernels for prefill.
 //!
 //! A decode step is one graph: embedding; per layer a fused input-norm + projection mat-vec,
 //! the fused Gated DeltaNet step or the attention kernels, the output projection added to the
@@ -8,6 +8,8 @@
 //! sampled draw. Every
 //! step-dependent value (position, input token) lives in device memory, so the graph captured
 //! for a sequence slot is replayed unchanged and no host synchronisation happens inside a step.
+//! A batched step (a token of each of several sequences, a row each) is one graph per batch size
+//! whose kernels find each row's buffers in the batch tables (`BatchTables`).
 //!
 //! Sequences live in a fixed pool of slots (KV cache for `max_context` positions, conv ring and
 //! recurrent state per DeltaNet layer); a [`CudaState`] holds a slot and gives it back on drop.
