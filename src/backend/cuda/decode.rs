@@ -14,7 +14,7 @@ use super::{
     AttentionBuffers, AttentionDims, AttentionSeqs, AttentionSplits, BatchTables, COMBINE_DIMS,
     COMBINE_PARTS, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape,
     GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot,
-    StepEnd, arg, attention_tile_row, cfg, staged_bytes,
+    StepEnd, arg, attention_tile_row, cfg, moe_down_staged_bytes, staged_bytes,
 };
 
 /// Whose tokens a recorded decode step carries.
@@ -544,7 +544,13 @@ impl CudaBackend {
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        let smem = self.down_smem;
+        // One token's blocks spread over every SM with the floor of `down_smem`; several tokens'
+        // run in waves, and three blocks to an SM make fewer of them.
+        let smem = if tokens == 1 {
+            self.down_smem
+        } else {
+            moe_down_staged_bytes(c)
+        };
         let blocks =
             c.hidden_size
                 .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
