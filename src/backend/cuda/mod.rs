@@ -1602,10 +1602,10 @@ fn mma_takes(bits: usize, group: usize, cols: usize) -> bool {
 }
 
 /// Dynamic shared memory of `matvec_mma` for rows of `cols` inputs: MMA_TOKENS rows of cols + 4
-/// halves, then its reduction scratch and scales, then the slices' sums (a float4 per lane of
-/// 8 warps).
+/// halves, then the tokens' scales (16 floats), then the slices' sums (a float4 per lane of 8
+/// warps).
 fn mma_smem(cols: usize) -> u32 {
-    (MMA_TOKENS * (cols + 4) * 2 + (2 * MMA_TOKENS * 8 + MMA_TOKENS + 8 * 32 * 4) * 4) as u32
+    (MMA_TOKENS * (cols + 4) * 2 + (16 + 8 * 32 * 4) * 4) as u32
 }
 
 /// `matvec_mma`'s tiles of 16 rows of a `rows` x `cols` matrix of `bits` bits and the warps that

@@ -40,12 +40,6 @@ __device__ __forceinline__ int permuted_input(int i, int bits) {
     return (i & ~7) + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
 }
 
-// The eight floats at p (32-byte aligned).
-__device__ __forceinline__ void load_eight(const float* p, float (&v)[8]) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
-
 // Stores the group of eight inputs v at dst (16-byte aligned) in fp16, permuted for `bits`-bit
 // weights: position i holds v[permuted_input(i, bits)].
 __device__ __forceinline__ void store_eight_permuted(__half* dst, const float (&v)[8], int bits) {

@@ -80,17 +80,6 @@ __device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Where input i of a group is stored for BITS-bit weights (see above).
-template <int BITS>
-__device__ __forceinline__ int mma_slot(int i) {
-    if (BITS == 4) {
-        const int p = i & 7;
-        return (i & ~7) + (p < 4 ? 2 * p : 2 * (p - 4) + 1);
-    }
-    const int p = i & 3;
-    return (i & ~3) + (p == 1 ? 2 : p == 2 ? 1 : p);
-}
-
 // (scale * q + bias) for the two values at bits [shift, shift + BITS) and [shift + 16, ...) of w,
 // as an fp16 pair.
 template <int BITS>
@@ -103,53 +92,55 @@ __device__ __forceinline__ uint32_t mma_dequant(uint32_t w, int shift, __half2 s
 
 // Stages `tokens` (at most MMA_TOKENS) rows of x ([tokens, cols]) as fp16 in the mma order, row t
 // at xs + t * stride halves (zeros for rows past `tokens`), and out_scale[t] = what each product
-// with row t must be multiplied by (its power of two, times 1 / rms when norm_scale is given,
-// which the staged values already include). `red`: 2 * MMA_TOKENS * 8 floats.
+// with row t must be multiplied by (its power of two; the staged values already include the RMS
+// norm when norm_scale is given). A warp per row, 8 inputs per lane at a time, loads unrolled so
+// that several are in flight: the row's sum of squares and largest magnitude first, then the
+// conversion (reading the row again, from L1). cols: a multiple of 8.
 template <int BITS>
 __device__ void mma_stage(const float* x, int cols, int tokens, const float* norm_scale, float eps, __half* xs,
-                          int stride, float* red, float* out_scale) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    float ss[MMA_TOKENS], mx[MMA_TOKENS];
+                          int stride, float* out_scale) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int t = threadIdx.x >> 5; t < MMA_TOKENS; t += warps) {
+        __half* row = xs + (size_t)t * stride;
+        const float* xr = x + (size_t)t * cols;
+        float ss = 0.0f, mx = 0.0f;
+        if (t < tokens) {
+#pragma unroll 4
+            for (int i = lane * 8; i < cols; i += 256) {
+                float v[8], n[8];
+                load_eight(xr + i, v);
+                if (norm_scale != nullptr) load_eight(norm_scale + i, n);
 #pragma unroll
-    for (int t = 0; t < MMA_TOKENS; ++t) {
-        ss[t] = 0.0f;
-        mx[t] = 0.0f;
-        if (t >= tokens) continue;
-        for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
-            const float4 v = *reinterpret_cast<const float4*>(x + (size_t)t * cols + i);
-            float4 n = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-            if (norm_scale != nullptr) n = *reinterpret_cast<const float4*>(norm_scale + i);
-            ss[t] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            mx[t] = fmaxf(mx[t], fmaxf(fmaxf(fabsf(v.x * n.x), fabsf(v.y * n.y)), fmaxf(fabsf(v.z * n.z), fabsf(v.w * n.w))));
+                for (int j = 0; j < 8; ++j) {
+                    ss += v[j] * v[j];
+                    mx = fmaxf(mx, fabsf(norm_scale != nullptr ? v[j] * n[j] : v[j]));
+                }
+            }
         }
-    }
-#pragma unroll
-    for (int t = 0; t < MMA_TOKENS; ++t) {
-        const float s = warp_sum(ss[t]), m = warp_max(mx[t]);
-        if (lane == 0) {
-            red[t * 8 + warp] = s;
-            red[(MMA_TOKENS + t) * 8 + warp] = m;
-        }
-    }
-    __syncthreads();
-    for (int t = 0; t < MMA_TOKENS; ++t) {
-        float s = 0.0f, m = 0.0f;
-        for (int w = 0; w < warps; ++w) {
-            s += red[t * 8 + w];
-            m = fmaxf(m, red[(MMA_TOKENS + t) * 8 + w]);
-        }
-        const float inv = norm_scale != nullptr ? rsqrtf(s / cols + eps) : 1.0f;
+        ss = warp_sum(ss);
+        mx = warp_max(mx);
+        const float inv = norm_scale != nullptr ? rsqrtf(ss / cols + eps) : 1.0f;
         // The power of two that brings the largest staged value under 2^14.
         int e = 0;
-        if (m * inv > 0.0f) frexpf(m * inv, &e);
+        if (mx * inv > 0.0f) frexpf(mx * inv, &e);
         const float pow2 = ldexpf(1.0f, max(e - 14, -126));
         const float to_half = t < tokens ? inv / pow2 : 0.0f;
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            const float n = norm_scale != nullptr ? norm_scale[i] : 1.0f;
-            const float v = t < tokens ? x[(size_t)t * cols + i] * n * to_half : 0.0f;
-            xs[t * stride + mma_slot<BITS>(i)] = __float2half_rn(v);
+#pragma unroll 4
+        for (int i = lane * 8; i < cols; i += 256) {
+            float v[8] = {}, n[8];
+            if (t < tokens) load_eight(xr + i, v);
+            if (norm_scale != nullptr) load_eight(norm_scale + i, n);
+            __align__(8) __half h[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int src = BITS == 4 ? (j & 1 ? 4 + (j >> 1) : j >> 1) : (j & 3) == 1 ? (j & 4) + 2 : (j & 3) == 2 ? (j & 4) + 1 : j;
+                h[j] = __float2half_rn(v[src] * (norm_scale != nullptr ? n[src] : 1.0f) * to_half);
+            }
+            // Two 8-byte stores: rows are 8-byte aligned (stride cols + 4 halves).
+            reinterpret_cast<uint2*>(row + i)[0] = *reinterpret_cast<const uint2*>(h);
+            reinterpret_cast<uint2*>(row + i)[1] = *reinterpret_cast<const uint2*>(h + 4);
         }
-        if (threadIdx.x == 0) out_scale[t] = pow2;
+        if (lane == 0) out_scale[t] = pow2;
     }
     __syncthreads();
 }
@@ -218,8 +209,8 @@ __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks
 // every SM; the block's warps hold 8 / ksplit tiles at a time, persistent over the rows, and
 // add up a tile's slices in shared memory. W: 4- or 8-bit, groups of at least 128 / bits
 // inputs, chunks per row (cols * bits / 128) a multiple of 4 * ksplit. Shared memory:
-// MMA_TOKENS * (cols + 4) halves, then 2 * MMA_TOKENS * 8 + MMA_TOKENS floats, then 8 * 32 * 4
-// floats (the slices' sums).
+// MMA_TOKENS * (cols + 4) halves, then 16 floats (the tokens' scales), then 8 * 32 * 4 floats
+// (the slices' sums).
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const float* x, const float* norm_scale,
                                                               float eps, float* y, int accumulate, int tokens,
                                                               int ksplit) {
@@ -235,9 +226,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const 
     // and 4 chunks then fall in distinct banks but for pairs.
     const int stride = w.cols + 4;
     __half* xs = reinterpret_cast<__half*>(smem);
-    float* red = reinterpret_cast<float*>(xs + MMA_TOKENS * stride);
-    float* out_scale = red + 2 * MMA_TOKENS * 8;
-    float* slices = out_scale + MMA_TOKENS;  // [warp][lane][4]
+    float* out_scale = reinterpret_cast<float*>(xs + MMA_TOKENS * stride);
+    // [warp][lane] float4s, 16-byte aligned: after MMA_TOKENS scales, padded to 16 floats.
+    float* slices = out_scale + 16;
     const int chunks = (w.cols * w.bits) >> 7;
     const int tiles = (w.rows + 15) >> 4;
     const int per_block = warps / ksplit, slice = warp % ksplit;
@@ -249,8 +240,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const 
     if (w.bits == 4) mma_load<4>(lo, hi, begin, end, w.group_shift, c, pass);
     else mma_load<8>(lo, hi, begin, end, w.group_shift, c, pass);
     wait_for_previous_kernel();
-    if (w.bits == 4) mma_stage<4>(x, w.cols, tokens, norm_scale, eps, xs, stride, red, out_scale);
-    else mma_stage<8>(x, w.cols, tokens, norm_scale, eps, xs, stride, red, out_scale);
+    if (w.bits == 4) mma_stage<4>(x, w.cols, tokens, norm_scale, eps, xs, stride, out_scale);
+    else mma_stage<8>(x, w.cols, tokens, norm_scale, eps, xs, stride, out_scale);
     const uint32_t xs_at = shared_address(xs);
     // A block-uniform trip count: the slices meet at barriers.
     for (int group = blockIdx.x; group * per_block < tiles; group += gridDim.x) {

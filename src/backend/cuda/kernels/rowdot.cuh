@@ -69,6 +69,12 @@ __device__ __forceinline__ uint32_t mask_or(uint32_t a, uint32_t mask, uint32_t 
     return d;
 }
 
+// The eight floats at p (32-byte aligned).
+__device__ __forceinline__ void load_eight(const float* p, float (&v)[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
 // An input vector being staged: `segments` pieces of `seg_cols` values each, piece p read from
 // x[p] (x[0] + p * seg_stride when x is a single pointer) and multiplied by mult[p]. One piece for
 // a plain mat-vec; the routed experts' activations, weighted, for moe_down.
