@@ -3,9 +3,9 @@
 #   1. every kernel compiles (NVRTC, sm_90a);
 #   2. tests/cuda.rs: CUDA vs CPU backend on the tiny fixtures, logits within 3x the calibrated
 #      bf16 spread, device argmax, forks, slots, context limit;
-#   3. compute-sanitizer (memcheck) on a short prefill + decode, greedy and sampled, and on a
+#   3. compute-sanitizer (memcheck) on a short prefill + decode, greedy and sampled, on a
 #      700-token prompt of the 4-bit fixture (the tensor-core products, grouped experts, chunkwise
-#      DeltaNet and flash attention of batched prefill);
+#      DeltaNet and flash attention of batched prefill), and on the batched-decode tests;
 #   4. scripts/gpu_transformers_check.py: lily (CPU and CUDA) vs transformers on a full-width
 #      Qwen3.6-35B-A3B truncated to 4 layers with random weights.
 # Binaries are built here (no cargo on the GPU machine) and carried:
@@ -47,6 +47,10 @@ step convert-q4 "$lily" convert --model "$fixture" --out "$q4" --bits 4 --group-
 long_prompt="$(seq -s, 1 700 | awk -F, '{for (i = 1; i <= NF; i++) printf "%s%d", (i > 1 ? "," : ""), ($i * 37) % 200 + 1}')"
 step sanitizer-long-prompt compute-sanitizer --error-exitcode 1 --tool memcheck \
     "$lily" generate --model "$q4" --prompt-ids "$long_prompt" --max-tokens 4 --json --device cuda
+# Batched decode steps (bf16 batches on the per-sequence kernels, quantised ones through
+# matvec_mma) and single-token prefill chunks.
+step sanitizer-batched compute-sanitizer --error-exitcode 1 --tool memcheck \
+    target/gpu/cuda-tests --test-threads=1 batched_decode quantized_batches single_token
 step transformers python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-trunc
 grep -h "GPU error\|relative error" "$log"/*.log
 exit $status

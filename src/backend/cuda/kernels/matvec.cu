@@ -1,5 +1,6 @@
 // Decode mat-vec products y = W x for one token, for every weight format (bf16, MLX 4/8-bit),
-// and the embedding lookup. The row arithmetic (and matvec_impl) lives in rowdot.cuh.
+// the embedding lookup, and the tensor-core product of a batched decode step's tokens
+// (matvec_mma, at the end). The row arithmetic (and matvec_impl) lives in rowdot.cuh.
 
 // y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds; y is then read before
 // waiting for the previous kernel, which must not have written it). `norm_scale` non-null:
