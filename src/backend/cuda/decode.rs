@@ -35,11 +35,17 @@ impl StepSeqs<'_> {
         }
     }
 
-    /// The slot's own buffer (`own`), or 0 and the table column `field` for a batch.
-    fn buffer(&self, own: impl FnOnce(&Slot) -> u64, field: usize, s: &CudaStream) -> (u64, u64) {
+    /// The slot's own buffer (`own`) and no table, or no buffer of its own (0) and the batch
+    /// tables' column `field` (see `seq_buffer` in common.cuh).
+    pub(super) fn buffer(
+        &self,
+        own: impl FnOnce(&Slot) -> u64,
+        field: impl FnOnce(&BatchTables) -> usize,
+        s: &CudaStream,
+    ) -> (u64, u64) {
         match self {
             Self::Slot(slot) => (own(slot), 0),
-            Self::Batch(tables, _) => (0, tables.column(field, s)),
+            Self::Batch(tables, _) => (0, tables.column(field(tables), s)),
         }
     }
 }
@@ -52,8 +58,8 @@ impl CudaBackend {
         let (x, proj, core) = (p(&sc.x), p(&sc.proj), p(&sc.core));
         let rows = seqs.rows();
         let (position, position_of) =
-            seqs.buffer(|slot| ptr(&slot.position, s), BatchTables::POSITION, s);
-        let (token, token_of) = seqs.buffer(|slot| ptr(&slot.token, s), BatchTables::TOKEN, s);
+            seqs.buffer(|slot| ptr(&slot.position, s), |_| BatchTables::POSITION, s);
+        let (token, token_of) = seqs.buffer(|slot| ptr(&slot.token, s), |_| BatchTables::TOKEN, s);
 
         let embed = m.embed.desc(s);
         // SAFETY: x holds a row of hidden_size floats per sequence; the tokens are checked on
@@ -98,14 +104,8 @@ impl CudaBackend {
                         rows,
                     )?;
                     let weights = [conv_w, a_log, dt_bias, norm];
-                    let gdn_layer = match seqs {
-                        StepSeqs::Slot(slot) => {
-                            DeltaNetParams::new(&gdn_dims, weights, slot, gdn_i, proj, core, s)
-                        }
-                        StepSeqs::Batch(tables, _) => DeltaNetParams::batched(
-                            &gdn_dims, weights, tables, gdn_i, proj, core, s,
-                        ),
-                    };
+                    let gdn_layer =
+                        DeltaNetParams::new(&gdn_dims, weights, seqs, gdn_i, proj, core, s);
                     self.deltanet_step(&gdn_layer, 1, rows)?;
                     self.matvec("out_proj", out_proj, core, None, x, true, rows)?;
                     gdn_i += 1;
@@ -119,14 +119,7 @@ impl CudaBackend {
                     self.matvec("qkv", qkv, x, Some(p(&layer.input_norm)), proj, false, rows)?;
                     let norms = [q_norm, k_norm];
                     let q = p(&sc.q);
-                    let attn = match seqs {
-                        StepSeqs::Slot(slot) => {
-                            AttentionBuffers::new(norms, slot, attn_i, proj, q, core, s)
-                        }
-                        StepSeqs::Batch(tables, _) => {
-                            AttentionBuffers::batched(norms, tables, attn_i, proj, q, core, s)
-                        }
-                    };
+                    let attn = AttentionBuffers::new(norms, seqs, attn_i, proj, q, core, s);
                     let splits = AttentionSplits {
                         max: p(&sc.part_max),
                         sum: p(&sc.part_sum),
@@ -188,7 +181,7 @@ impl CudaBackend {
             }
             StepEnd::Sampled => {
                 let (desc, desc_of) =
-                    seqs.buffer(|slot| ptr(&slot.sampling, s), BatchTables::SAMPLING, s);
+                    seqs.buffer(|slot| ptr(&slot.sampling, s), |_| BatchTables::SAMPLING, s);
                 // SAFETY: one block over each row's logits; desc is the slot's settings.
                 unsafe {
                     self.launch(

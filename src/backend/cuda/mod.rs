@@ -208,7 +208,8 @@ struct AttentionSeqs {
 }
 
 /// The buffers of one DeltaNet layer's launches (device addresses). A batched step's have no
-/// conv ring, state or position of their own (0): the kernels find each sequence's in `seqs`.
+/// conv ring, state or position of their own (0): the kernels find each sequence's in `seqs`
+/// (all 0 for one sequence).
 struct DeltaNetParams<'a> {
     dims: &'a DeltaNetDims,
     proj: u64,
@@ -224,59 +225,38 @@ struct DeltaNetParams<'a> {
 }
 
 impl<'a> DeltaNetParams<'a> {
-    /// The buffers of the slot's `i`-th DeltaNet layer, whose weights are `[conv_w, a_log,
-    /// dt_bias, norm]`: its projections read from `proj`, its gated output written to `out`.
+    /// The buffers of the `i`-th DeltaNet layer of `seqs` (one slot's, or the batch tables'
+    /// columns), whose weights are `[conv_w, a_log, dt_bias, norm]`: its projections read from
+    /// `proj`, its gated output written to `out`.
     fn new(
         dims: &'a DeltaNetDims,
         [conv_w, a_log, dt_bias, norm]: [&CudaSlice<f32>; 4],
-        slot: &Slot,
+        seqs: StepSeqs,
         i: usize,
         proj: u64,
         out: u64,
         s: &CudaStream,
     ) -> Self {
         let p = |x: &CudaSlice<f32>| ptr(x, s);
+        let (conv, conv_of) = seqs.buffer(|slot| p(&slot.conv[i]), |t| t.conv(i), s);
+        let (state, state_of) = seqs.buffer(|slot| p(&slot.recurrent[i]), |t| t.state(i), s);
+        let (position, position_of) =
+            seqs.buffer(|slot| ptr(&slot.position, s), |_| BatchTables::POSITION, s);
         Self {
             dims,
             proj,
-            conv: p(&slot.conv[i]),
+            conv,
             conv_w: p(conv_w),
             a_log: p(a_log),
             dt_bias: p(dt_bias),
             norm: p(norm),
-            state: p(&slot.recurrent[i]),
-            position: ptr(&slot.position, s),
-            out,
-            seqs: DeltaNetSeqs::default(),
-        }
-    }
-
-    /// The `i`-th DeltaNet layer of a batched step over the sequences `tables` holds.
-    fn batched(
-        dims: &'a DeltaNetDims,
-        [conv_w, a_log, dt_bias, norm]: [&CudaSlice<f32>; 4],
-        tables: &BatchTables,
-        i: usize,
-        proj: u64,
-        out: u64,
-        s: &CudaStream,
-    ) -> Self {
-        let p = |x: &CudaSlice<f32>| ptr(x, s);
-        Self {
-            dims,
-            proj,
-            conv: 0,
-            conv_w: p(conv_w),
-            a_log: p(a_log),
-            dt_bias: p(dt_bias),
-            norm: p(norm),
-            state: 0,
-            position: 0,
+            state,
+            position,
             out,
             seqs: DeltaNetSeqs {
-                conv: tables.column(tables.conv(i), s),
-                state: tables.column(tables.state(i), s),
-                position: tables.column(BatchTables::POSITION, s),
+                conv: conv_of,
+                state: state_of,
+                position: position_of,
             },
         }
     }
@@ -297,55 +277,35 @@ struct AttentionBuffers {
 }
 
 impl AttentionBuffers {
-    /// The buffers of the slot's `i`-th attention layer, whose q/k norm weights are `[q_norm,
-    /// k_norm]`: its projections read from `proj`, the prepared queries kept in `q`, its gated
-    /// output written to `out`.
+    /// The buffers of the `i`-th attention layer of `seqs` (one slot's, or the batch tables'
+    /// columns), whose q/k norm weights are `[q_norm, k_norm]`: its projections read from
+    /// `proj`, the prepared queries kept in `q`, its gated output written to `out`.
     fn new(
         [q_norm, k_norm]: [&CudaSlice<f32>; 2],
-        slot: &Slot,
+        seqs: StepSeqs,
         i: usize,
         proj: u64,
         q: u64,
         out: u64,
         s: &CudaStream,
     ) -> Self {
-        let (k_cache, v_cache) = &slot.kv[i];
+        let (position, position_of) =
+            seqs.buffer(|slot| ptr(&slot.position, s), |_| BatchTables::POSITION, s);
+        let (k_cache, k_of) = seqs.buffer(|slot| ptr(&slot.kv[i].0, s), |t| t.keys(i), s);
+        let (v_cache, v_of) = seqs.buffer(|slot| ptr(&slot.kv[i].1, s), |t| t.values(i), s);
         Self {
             proj,
             q_norm: ptr(q_norm, s),
             k_norm: ptr(k_norm, s),
-            position: ptr(&slot.position, s),
+            position,
             q,
-            k_cache: ptr(k_cache, s),
-            v_cache: ptr(v_cache, s),
-            out,
-            seqs: AttentionSeqs::default(),
-        }
-    }
-
-    /// The `i`-th attention layer of a batched step over the sequences `tables` holds.
-    fn batched(
-        [q_norm, k_norm]: [&CudaSlice<f32>; 2],
-        tables: &BatchTables,
-        i: usize,
-        proj: u64,
-        q: u64,
-        out: u64,
-        s: &CudaStream,
-    ) -> Self {
-        Self {
-            proj,
-            q_norm: ptr(q_norm, s),
-            k_norm: ptr(k_norm, s),
-            position: 0,
-            q,
-            k_cache: 0,
-            v_cache: 0,
+            k_cache,
+            v_cache,
             out,
             seqs: AttentionSeqs {
-                position: tables.column(BatchTables::POSITION, s),
-                k_cache: tables.column(tables.keys(i), s),
-                v_cache: tables.column(tables.values(i), s),
+                position: position_of,
+                k_cache: k_of,
+                v_cache: v_of,
             },
         }
     }
@@ -1283,6 +1243,12 @@ impl CudaBackend {
         .with_context(|| format!("launching `{name}`"))
     }
 
+    fn lock_batch(&self) -> Result<std::sync::MutexGuard<'_, BatchSteps>> {
+        self.batch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("batch lock poisoned"))
+    }
+
     fn lock_slots(&self) -> Result<std::sync::MutexGuard<'_, Vec<Slot>>> {
         self.slots
             .lock()
@@ -1350,10 +1316,7 @@ impl CudaBackend {
             self.check_step(state, token)?;
         }
         // Lock order, here and in decode_critical_path: batch, slots.
-        let mut batch = self
-            .batch
-            .lock()
-            .map_err(|_| anyhow::anyhow!("batch lock poisoned"))?;
+        let mut batch = self.lock_batch()?;
         let ids: Vec<usize> = states.iter().map(|s| s.slot).collect();
         let BatchSteps { tables, graphs } = &mut *batch;
         {

@@ -176,10 +176,7 @@ impl CudaBackend {
             );
         }
         // The lock order of CudaBackend::step_batch.
-        let mut batch = self
-            .batch
-            .lock()
-            .map_err(|_| anyhow::anyhow!("batch lock poisoned"))?;
+        let mut batch = self.lock_batch()?;
         let slots = self.lock_slots()?;
         let ids: Vec<usize> = states.iter().map(|s| s.slot).collect();
         if ids.len() > 1 {

@@ -22,7 +22,7 @@ use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
     AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
-    DeltaNetShape, NO_TABLE, arg, attention_tile_row, cfg,
+    DeltaNetShape, NO_TABLE, StepSeqs, arg, attention_tile_row, cfg,
 };
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
@@ -293,8 +293,15 @@ impl CudaBackend {
                     self.project(ps, in_proj, x, Some(p(&layer.input_norm)), proj, false, n)?;
                     self.mark(PrefillPart::Projections)?;
                     let weights = [conv_w, a_log, dt_bias, norm];
-                    let params =
-                        DeltaNetParams::new(&gdn_dims, weights, slot, gdn_i, proj, core, s);
+                    let params = DeltaNetParams::new(
+                        &gdn_dims,
+                        weights,
+                        StepSeqs::Slot(slot),
+                        gdn_i,
+                        proj,
+                        core,
+                        s,
+                    );
                     self.deltanet_chunk(ps, &params, n)?;
                     self.mark(PrefillPart::DeltaNet)?;
                     self.project(ps, out_proj, core, None, x, true, n)?;
@@ -310,8 +317,15 @@ impl CudaBackend {
                     self.project(ps, qkv, x, Some(p(&layer.input_norm)), proj, false, n)?;
                     self.mark(PrefillPart::Projections)?;
                     let norms = [q_norm, k_norm];
-                    let attn =
-                        AttentionBuffers::new(norms, slot, attn_i, proj, ps.mixer.q, core, s);
+                    let attn = AttentionBuffers::new(
+                        norms,
+                        StepSeqs::Slot(slot),
+                        attn_i,
+                        proj,
+                        ps.mixer.q,
+                        core,
+                        s,
+                    );
                     self.attention_chunk(&attn_dims, &attn, n)?;
                     self.mark(PrefillPart::Attention)?;
                     self.project(ps, o_proj, core, None, x, true, n)?;
