@@ -14,7 +14,7 @@ use super::{
     AttentionBuffers, AttentionDims, AttentionSeqs, AttentionSplits, BatchTables, COMBINE_DIMS,
     COMBINE_PARTS, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape,
     GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot,
-    StepEnd, arg, attention_tile_row, cfg, moe_down_staged_bytes, staged_bytes,
+    StepEnd, arg, attention_tile_row, cfg, moe_token_blocks, staged_bytes, staged_floats_bits,
 };
 
 /// Whose tokens a recorded decode step carries.
@@ -493,14 +493,16 @@ impl CudaBackend {
                 ],
             )
         }?;
-        let mut launch = cfg(
+        if tokens > 1 {
+            return self.moe_tokens(layer, &dims, b, x, tokens);
+        }
+        let launch = cfg(
             gate_up_blocks(c.moe_intermediate_size) as u32,
             c.num_experts_per_tok as u32,
             MATVEC_THREADS,
             smem,
         );
-        launch.grid_dim.2 = tokens as u32;
-        // SAFETY: as above; ids and weights hold top_k + 1 entries per token.
+        // SAFETY: as above; ids and weights hold top_k + 1 entries.
         unsafe {
             self.launch(
                 "moe_gate_up",
@@ -519,13 +521,113 @@ impl CudaBackend {
                 ],
             )
         }?;
-        self.moe_down_launch(layer, &dims, act, ids, weights, x, tokens)
+        self.moe_down_launch(layer, &dims, act, ids, weights, x)
     }
 
-    /// `moe_down` for `tokens` rows: every slot's down projection, weighted, added to the
-    /// residual rows `x`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn moe_down_launch(
+    /// The routed experts of the MoE block for several tokens (after `moe_router_shared`):
+    /// each token routed once (`moe_route`), then `moe_gate_up_tokens` and `moe_down_tokens`,
+    /// whose blocks take several tokens each.
+    fn moe_tokens(
+        &self,
+        layer: &weights::DeviceLayer,
+        dims: &MoeDims,
+        b: &MoeBuffers,
+        x: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let (router, act, ids, weights) = (b.router_logits, b.act, b.ids, b.weights);
+        let (splits, split_stride) = (1i32, 0usize);
+        // SAFETY: router_logits holds experts + 1 floats per token, ids and weights top_k + 1.
+        unsafe {
+            self.launch(
+                "moe_route",
+                &self.k.moe_route,
+                cfg(tokens as u32, 1, MATVEC_THREADS, 0),
+                &mut [
+                    arg(dims),
+                    arg(&router),
+                    arg(&splits),
+                    arg(&split_stride),
+                    arg(&ids),
+                    arg(&weights),
+                ],
+            )
+        }?;
+        let tokens32 = tokens as i32;
+        let post = ptr(&layer.post_norm, s);
+        let (g, u) = (layer.gate.desc(s), layer.up.desc(s));
+        let per_token = 4 * staged_floats_bits(c.hidden_size, layer.gate.bits);
+        let (per_block, rows) = moe_token_blocks(tokens, per_token, self.moe_tokens_smem);
+        let warps = MATVEC_THREADS as usize / 32;
+        let mut launch = cfg(
+            c.moe_intermediate_size
+                .div_ceil(warps * GATE_UP_ROWS_PER_WARP) as u32,
+            c.num_experts_per_tok as u32,
+            MATVEC_THREADS,
+            (per_block * per_token) as u32,
+        );
+        launch.grid_dim.2 = rows as u32;
+        let per32 = per_block as i32;
+        // SAFETY: act holds a row of (top_k + 1) * intermediate floats per token.
+        unsafe {
+            self.launch(
+                "moe_gate_up_tokens",
+                &self.k.moe_gate_up_tokens,
+                launch,
+                &mut [
+                    arg(dims),
+                    arg(&g),
+                    arg(&u),
+                    arg(&x),
+                    arg(&post),
+                    arg(&ids),
+                    arg(&tokens32),
+                    arg(&per32),
+                    arg(&act),
+                ],
+            )
+        }?;
+        let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
+        let per_token = 4
+            * (staged_floats_bits(
+                c.moe_intermediate_size * c.num_experts_per_tok,
+                layer.down.bits,
+            ) + staged_floats_bits(c.shared_expert_intermediate_size, layer.shared_down.bits));
+        let (per_block, rows) = moe_token_blocks(tokens, per_token, self.moe_tokens_smem);
+        let mut launch = cfg(
+            c.hidden_size.div_ceil(warps * DOWN_ROWS_PER_WARP) as u32,
+            1,
+            MATVEC_THREADS,
+            (per_block * per_token) as u32,
+        );
+        launch.grid_dim.2 = rows as u32;
+        let per32 = per_block as i32;
+        // SAFETY: as above; each output row of each token is owned by one warp.
+        unsafe {
+            self.launch(
+                "moe_down_tokens",
+                &self.k.moe_down_tokens,
+                launch,
+                &mut [
+                    arg(dims),
+                    arg(&d),
+                    arg(&sd),
+                    arg(&act),
+                    arg(&ids),
+                    arg(&weights),
+                    arg(&tokens32),
+                    arg(&per32),
+                    arg(&x),
+                ],
+            )
+        }?;
+        Ok(())
+    }
+
+    /// `moe_down` for one token: every slot's down projection, weighted, added to the residual
+    /// row `x`.
+    fn moe_down_launch(
         &self,
         layer: &weights::DeviceLayer,
         dims: &MoeDims,
@@ -533,23 +635,16 @@ impl CudaBackend {
         ids: u64,
         weights: u64,
         x: u64,
-        tokens: usize,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        // One token's blocks spread over every SM with the floor of `down_smem`; several tokens'
-        // run in waves, and three blocks to an SM make fewer of them.
-        let smem = if tokens == 1 {
-            self.down_smem
-        } else {
-            moe_down_staged_bytes(c)
-        };
+        // The blocks spread over every SM with the floor of `down_smem`.
         let blocks =
             c.hidden_size
                 .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
-        let mut launch = cfg(blocks, 1, MATVEC_THREADS, smem);
-        launch.grid_dim.2 = tokens as u32;
-        // SAFETY: act, ids and weights hold `tokens` rows; each output row is owned by one warp.
+        let launch = cfg(blocks, 1, MATVEC_THREADS, self.down_smem);
+        // SAFETY: act, ids and weights hold one token's rows; each output row is owned by one
+        // warp.
         unsafe {
             self.launch(
                 "moe_down",

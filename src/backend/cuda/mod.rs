@@ -60,6 +60,8 @@ const MMA_BLOCKS_PER_SM: usize = 2;
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
 const DOWN_ROWS_PER_WARP: usize = 1;
+/// Most tokens a block of `moe_gate_up_tokens`/`moe_down_tokens` takes (MOE_TOKENS_PER_BLOCK).
+const MOE_TOKENS_PER_BLOCK: usize = 8;
 /// Most context splits of attention decode (flash-decoding); a split covers whole rounds of its
 /// warps' tiles, at least 64 positions.
 const ATTENTION_SPLITS: usize = 256;
@@ -451,6 +453,26 @@ fn moe_down_smem(c: &ModelConfig, smem_per_sm: u32) -> u32 {
         .min(MAX_DYNAMIC_SHARED_BYTES as u32)
 }
 
+/// Floats a staged input of `cols` values takes for `bits`-bit weights (`staged_floats_bits` in
+/// rowdot.cuh): what each token's input takes in the batched MoE kernels.
+fn staged_floats_bits(cols: usize, bits: usize) -> usize {
+    let floats = match bits {
+        4 => cols / 2 + cols / 16,
+        8 => cols + cols / 16,
+        _ => cols,
+    };
+    floats.next_multiple_of(4)
+}
+
+/// How the batched MoE kernels split `tokens` over grid rows: (tokens per block, rows). A block
+/// takes at most MOE_TOKENS_PER_BLOCK, and at most as many as `budget` bytes of shared memory
+/// stage at `per_token` bytes each; the tokens are spread evenly over the rows.
+fn moe_token_blocks(tokens: usize, per_token: usize, budget: usize) -> (usize, usize) {
+    let most = (budget / per_token.max(1)).clamp(1, MOE_TOKENS_PER_BLOCK);
+    let rows = tokens.div_ceil(most);
+    (tokens.div_ceil(rows), rows)
+}
+
 // SAFETY: plain old data mirroring the structs of the same names in the kernel sources.
 unsafe impl DeviceRepr for DeltaNetDims {}
 unsafe impl DeviceRepr for AttentionDims {}
@@ -516,6 +538,8 @@ struct Kernels {
     moe_router_shared: CudaFunction,
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
+    moe_gate_up_tokens: CudaFunction,
+    moe_down_tokens: CudaFunction,
     argmax_partial: CudaFunction,
     argmax_final: CudaFunction,
     sample_token: CudaFunction,
@@ -651,6 +675,8 @@ pub struct CudaBackend {
     num_sms: u32,
     /// Dynamic shared memory `moe_down` asks for (see `moe_down_smem`).
     down_smem: u32,
+    /// Dynamic shared memory a block of the batched MoE kernels may take: two to an SM.
+    moe_tokens_smem: usize,
     /// Chunk activations of the prefill path, allocated with the backend so that the first
     /// prompt does not pay for them.
     prefill: Mutex<prefill::PrefillScratch>,
@@ -773,6 +799,8 @@ impl CudaBackend {
             moe_router_shared: get("moe_router_shared")?,
             moe_gate_up: get("moe_gate_up")?,
             moe_down: get("moe_down")?,
+            moe_gate_up_tokens: get("moe_gate_up_tokens")?,
+            moe_down_tokens: get("moe_down_tokens")?,
             argmax_partial: get("argmax_partial")?,
             argmax_final: get("argmax_final")?,
             sample_token: get("sample_token")?,
@@ -795,6 +823,8 @@ impl CudaBackend {
             &k.moe_router_shared,
             &k.moe_gate_up,
             &k.moe_down,
+            &k.moe_gate_up_tokens,
+            &k.moe_down_tokens,
             &k.deltanet_step,
             &k.gemm_q,
             &k.gemm_q_grouped,
@@ -908,6 +938,10 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
         )? as u32;
         let down_smem = moe_down_smem(c, smem_per_sm);
+        // Each block also reserves 1 KB, and the kernels' static arrays take a few hundred bytes.
+        let moe_tokens_smem = (smem_per_sm as usize / 2)
+            .saturating_sub(2048)
+            .min(MAX_DYNAMIC_SHARED_BYTES);
         let prefill_chunk = opts.prefill_chunk.min(opts.max_context);
         let prefill = prefill::PrefillScratch::new(&stream, c, prefill_chunk)?;
         stream.synchronize()?;
@@ -925,6 +959,7 @@ impl CudaBackend {
             use_graphs: opts.use_graphs,
             num_sms,
             down_smem,
+            moe_tokens_smem,
             prefill: Mutex::new(prefill),
             prefill_chunk,
             timer: Mutex::new(timing::PartTimer::default()),
@@ -1625,6 +1660,8 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "moe_router_shared",
             "moe_gate_up",
             "moe_down",
+            "moe_gate_up_tokens",
+            "moe_down_tokens",
             "moe_route",
             "moe_group",
         ],
@@ -1661,6 +1698,27 @@ mod tests {
         c.linear_key_head_dim = key_dim;
         c.linear_value_head_dim = value_dim;
         c
+    }
+
+    #[test]
+    fn batched_moe_blocks_spread_tokens_evenly_within_the_shared_memory_budget() {
+        assert_eq!(moe_token_blocks(1, 100, 10_000), (1, 1));
+        assert_eq!(moe_token_blocks(8, 100, 10_000), (8, 1));
+        assert_eq!(moe_token_blocks(10, 100, 10_000), (5, 2));
+        assert_eq!(moe_token_blocks(32, 100, 10_000), (8, 4));
+        // Three fit the budget: four rows, of at most three tokens each.
+        assert_eq!(moe_token_blocks(10, 300, 1_000), (3, 4));
+        // Not even one fits: one each (the launch then asks for more than the budget).
+        assert_eq!(moe_token_blocks(5, 2_000, 1_000), (1, 5));
+        // The full-size model's 4-bit staging: 8 tokens in one row of two blocks per SM.
+        let c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
+        let down = 4
+            * (staged_floats_bits(c.moe_intermediate_size * c.num_experts_per_tok, 4)
+                + staged_floats_bits(c.shared_expert_intermediate_size, 4));
+        assert_eq!(down, 4 * (2304 + 288));
+        assert_eq!(moe_token_blocks(8, down, 114 * 1024), (8, 1));
+        assert_eq!(staged_floats_bits(2048, 8), 2176);
+        assert_eq!(staged_floats_bits(2048, 16), 2048);
     }
 
     #[test]

@@ -8,6 +8,10 @@
 // its input (the residual stream, last written by the mixer's output projection, two launches
 // back) before waiting for the router logits.
 //
+// Several tokens (decode batches, prefill without tensor cores) take four launches: the same
+// router launch, moe_route once per token, then moe_gate_up_tokens and moe_down_tokens, whose
+// blocks each take several tokens in turn.
+//
 // Slots 0..top_k-1 are routed experts, slot top_k is the shared expert, whose weight is
 // sigmoid(shared_expert_gate · x); moe_down folds each slot's weight into its staged
 // activations.
@@ -91,8 +95,8 @@ __device__ void routing_weights(const MoeDims& d, const float* logits, const int
     if (lane == 0) weights[d.top_k] = sigmoid(logits[d.experts]);
 }
 
-// Several tokens at once: blockIdx.z is the token; its rows of the residual stream, router
-// logits, activations and routing follow each other at these widths.
+// Several tokens at once: a token's rows of the residual stream, router logits, activations and
+// routing follow each other at these widths (moe_router_shared: blockIdx.z is the token).
 __device__ __forceinline__ int act_width(const MoeDims& d) {
     return (d.top_k + 1) * max(d.intermediate, d.shared_intermediate);
 }
@@ -221,7 +225,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
 
 // act[slot] = silu(gate_e · x) * (up_e · x) for each routed slot's expert, x = RMSNorm(residual).
 // gate/up: routed experts stacked [experts * intermediate, hidden].
-// Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k, tokens). Every block routes;
+// One token. Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k). Every block routes;
 // block (0, 0) also writes the routing to ids_out/weights_out. Shared memory: 64 +
 // staged_floats(hidden) floats.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
@@ -230,17 +234,75 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weig
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     __shared__ Routing r;
-    const size_t token = blockIdx.z;
-    residual += token * d.hidden;
-    router_logits += token * (d.experts + 1);
-    act += token * act_width(d);
-    ids_out += token * (d.top_k + 1);
-    weights_out += token * (d.top_k + 1);
     float* xs = smem + 64;
     switch (gate.bits) {
         case 4: routed_gate_up_block<4>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out); break;
         case 8: routed_gate_up_block<8>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out); break;
         default: routed_gate_up_block<16>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out); break;
+    }
+}
+
+// Batched decode (several tokens, each with its own routing from moe_route): a block takes up to
+// MOE_TOKENS_PER_BLOCK tokens in turn, so that one wave of blocks covers them all, where one grid
+// row of blocks per token ran in waves, each paying a block's whole chain of latencies. Every
+// warp stages one token's input (stage_by_warp, bit for bit the 256-thread stage of the
+// one-token kernels above).
+#define MOE_TOKENS_PER_BLOCK 8
+#define MOE_WARPS 8
+
+// The tokens of this block: first = blockIdx.z * per_block, count = at most per_block.
+__device__ __forceinline__ int2 block_tokens(int tokens, int per_block) {
+    const int first = blockIdx.z * per_block;
+    return make_int2(first, min(per_block, tokens - first));
+}
+
+template <int BITS>
+__device__ void routed_gate_up_tokens(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
+                                      const float* norm_scale, const int* ids, int2 tokens, float* xs,
+                                      float* x_scales, int* experts, float* act) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, per = staged_floats_bits(d.hidden, BITS);
+    // The residual was written by the mixer's output projection, three launches back.
+    for (int i = warp; i < tokens.y; i += MOE_WARPS) {
+        const StageSource src = {residual + (size_t)(tokens.x + i) * d.hidden, 0, d.hidden, 1, nullptr};
+        const float s = stage_by_warp<BITS, MOE_WARPS>(src, norm_scale, d.eps, xs + (size_t)i * per);
+        if (lane == 0) x_scales[i] = s;
+    }
+    // The routing: moe_route, the previous launch.
+    wait_for_previous_kernel();
+    const int slot = blockIdx.y;
+    if (threadIdx.x < tokens.y) experts[threadIdx.x] = ids[(size_t)(tokens.x + threadIdx.x) * (d.top_k + 1) + slot];
+    __syncthreads();
+    const int first = (blockIdx.x * MOE_WARPS + warp) * GATE_UP_ROWS_PER_WARP;
+    const size_t stride = max(d.intermediate, d.shared_intermediate);
+    // One token's rows at a time: a second token's in flight as well would not fit in registers
+    // (and the first token's rows of all the blocks' warps already keep HBM busy).
+    for (int i = 0; i < tokens.y; ++i) {
+        RowRef refs[2 * GATE_UP_ROWS_PER_WARP];
+        GateUpPass pass;
+        gate_up_refs(g, u, experts[i] * d.intermediate, d.intermediate, first, refs);
+        gate_up_load<BITS>(refs, g, pass);
+        gate_up_finish<BITS>(refs, g, d.intermediate, first, xs + (size_t)i * per, x_scales[i], pass,
+                             act + (size_t)(tokens.x + i) * act_width(d) + slot * stride);
+    }
+}
+
+// act[t][slot] = silu(gate_e · x_t) * (up_e · x_t), e = ids[t][slot], x_t = RMSNorm(residual[t]),
+// for the tokens of this block. Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k,
+// ceil(tokens / per_block)), 256 threads. Shared memory: per_block * staged_floats_bits(hidden,
+// bits) floats.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tokens(MoeDims d, Weight gate, Weight up,
+                                                                     const float* residual, const float* norm_scale,
+                                                                     const int* ids, int tokens, int per_block,
+                                                                     float* act) {
+    TRACE_BLOCK();
+    extern __shared__ __align__(16) float smem[];
+    __shared__ float x_scales[MOE_TOKENS_PER_BLOCK];
+    __shared__ int experts[MOE_TOKENS_PER_BLOCK];
+    const int2 t = block_tokens(tokens, per_block);
+    switch (gate.bits) {
+        case 4: routed_gate_up_tokens<4>(d, gate, up, residual, norm_scale, ids, t, smem, x_scales, experts, act); break;
+        case 8: routed_gate_up_tokens<8>(d, gate, up, residual, norm_scale, ids, t, smem, x_scales, experts, act); break;
+        default: routed_gate_up_tokens<16>(d, gate, up, residual, norm_scale, ids, t, smem, x_scales, experts, act); break;
     }
 }
 
@@ -315,18 +377,13 @@ __device__ void down_shared(const Weight& w, const float* xs, int r0, Pass<DOWN_
 // residual[r] += sum over routed slots of weight[slot] * (down_e · act[slot])[r]
 //              + weight[shared] * (shared_down · act[shared])[r].
 // down: routed experts stacked [experts * hidden, intermediate]; shared_down: [hidden, shared_intermediate].
-// Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP), 1, tokens). Shared memory: 64 + staged_floats(top_k *
+// One token. Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP)). Shared memory: 64 + staged_floats(top_k *
 // intermediate) + staged_floats(shared_intermediate) floats.
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual) {
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
-    const size_t token = blockIdx.z;
-    act += token * act_width(d);
-    ids_in += token * (d.top_k + 1);
-    weights_in += token * (d.top_k + 1);
-    residual += token * d.hidden;
     const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * DOWN_ROWS_PER_WARP;
     // The shared expert's rows do not depend on the routing: they go out first.
     Pass<DOWN_ROWS_PER_WARP, 1> shared_pass;
@@ -381,10 +438,107 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
             if (r0 + i < d.hidden) residual[r0 + i] = prior[i] + out[i];
 }
 
-// Prefill: each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot
-// top_k is the shared expert, id -1, weight its sigmoid gate), the sum of `splits` partial sums
-// `split_stride` floats apart (gemm_q's split k). One warp per token.
-extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const float* router_logits, int splits,
+template <int BITS>
+__device__ void stage_down_tokens(const MoeDims& d, const float* act, const float* weights_in, int2 tokens,
+                                  float* xs, int per) {
+    const int stride = max(d.intermediate, d.shared_intermediate);
+    for (int i = threadIdx.x >> 5; i < tokens.y; i += MOE_WARPS) {
+        const size_t t = tokens.x + i;
+        const StageSource src = {act + t * act_width(d), stride, d.intermediate, d.top_k, weights_in + t * (d.top_k + 1)};
+        stage_by_warp<BITS, MOE_WARPS>(src, nullptr, 0.0f, xs + (size_t)i * per);
+    }
+}
+
+template <int BITS>
+__device__ void stage_shared_tokens(const MoeDims& d, const float* act, const float* weights_in, int2 tokens,
+                                    float* xs, int per) {
+    for (int i = threadIdx.x >> 5; i < tokens.y; i += MOE_WARPS) {
+        const size_t t = tokens.x + i;
+        const StageSource src = {act + t * act_width(d) + (size_t)d.top_k * max(d.intermediate, d.shared_intermediate),
+                                 0, d.shared_intermediate, 1, weights_in + t * (d.top_k + 1) + d.top_k};
+        stage_by_warp<BITS, MOE_WARPS>(src, nullptr, 0.0f, xs + (size_t)i * per);
+    }
+}
+
+template <int BITS, int SHARED_BITS>
+__device__ void down_tokens(const MoeDims& d, const Weight& down, const Weight& shared_down, const float* act,
+                            const int* ids, const float* weights_in, int2 tokens, float* residual, float* smem) {
+    const int lane = threadIdx.x & 31;
+    const int r0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * DOWN_ROWS_PER_WARP;
+    // The shared expert's rows serve every token; the routing (moe_route's, two launches back) and
+    // the residual rows (three back) can be read before the wait, and the first token's routed
+    // rows requested.
+    Pass<DOWN_ROWS_PER_WARP, 1> shared_pass;
+    down_shared_prefetch<SHARED_BITS>(shared_down, r0, shared_pass);
+    const int* token_ids = ids + (size_t)tokens.x * (d.top_k + 1);
+    float prior[DOWN_ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
+        prior[i] = lane < tokens.y && r0 + i < d.hidden ? residual[(size_t)(tokens.x + lane) * d.hidden + r0 + i] : 0.0f;
+    Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> pass;
+    down_pass<BITS>(d, down, token_ids, r0, 0, lane, pass);
+    const int routed_per = staged_floats_bits(d.intermediate * d.top_k, BITS);
+    const int shared_per = staged_floats_bits(d.shared_intermediate, SHARED_BITS);
+    float* routed_xs = smem;
+    float* shared_xs = smem + (size_t)tokens.y * routed_per;
+    // The activations: moe_gate_up_tokens, the previous launch.
+    wait_for_previous_kernel();
+    stage_down_tokens<BITS>(d, act, weights_in, tokens, routed_xs, routed_per);
+    stage_shared_tokens<SHARED_BITS>(d, act, weights_in, tokens, shared_xs, shared_per);
+    __syncthreads();
+    for (int t = 0; t < tokens.y; ++t) {
+        const bool more = t + 1 < tokens.y;
+        Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> next;
+        if (more) down_pass<BITS>(d, down, token_ids + (t + 1) * (d.top_k + 1), r0, 0, lane, next);
+        float out[DOWN_ROWS_PER_WARP] = {};
+        down_routed<BITS>(d, down, token_ids + t * (d.top_k + 1), routed_xs + (size_t)t * routed_per, r0, pass, out);
+        // A copy: a row of more than one pass reloads it.
+        Pass<DOWN_ROWS_PER_WARP, 1> shared_rows = shared_pass;
+        down_shared<SHARED_BITS>(shared_down, shared_xs + (size_t)t * shared_per, r0, shared_rows, out);
+#pragma unroll
+        for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) {
+            const float p = __shfl_sync(0xffffffffu, prior[i], t);
+            if (lane == 0 && r0 + i < d.hidden) residual[(size_t)(tokens.x + t) * d.hidden + r0 + i] = p + out[i];
+        }
+        if (more) pass = next;
+    }
+}
+
+template <int BITS>
+__device__ void down_tokens_shared_bits(const MoeDims& d, const Weight& down, const Weight& shared_down,
+                                        const float* act, const int* ids, const float* weights_in, int2 tokens,
+                                        float* residual, float* smem) {
+    switch (shared_down.bits) {
+        case 4: down_tokens<BITS, 4>(d, down, shared_down, act, ids, weights_in, tokens, residual, smem); break;
+        case 8: down_tokens<BITS, 8>(d, down, shared_down, act, ids, weights_in, tokens, residual, smem); break;
+        default: down_tokens<BITS, 16>(d, down, shared_down, act, ids, weights_in, tokens, residual, smem); break;
+    }
+}
+
+// residual[t] += the weighted down projections of token t's slots (as moe_down) for the tokens
+// of this block, ids and weights from moe_route. Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP),
+// 1, ceil(tokens / per_block)), 256 threads; at most 32 tokens per block (a lane holds each
+// one's residual rows). Shared memory: per_block * (staged_floats_bits(top_k * intermediate,
+// down bits) + staged_floats_bits(shared_intermediate, shared bits)) floats.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_down_tokens(MoeDims d, Weight down, Weight shared_down,
+                                                                  const float* act, const int* ids_in,
+                                                                  const float* weights_in, int tokens, int per_block,
+                                                                  float* residual) {
+    TRACE_BLOCK();
+    extern __shared__ __align__(16) float smem[];
+    const int2 t = block_tokens(tokens, per_block);
+    switch (down.bits) {
+        case 4: down_tokens_shared_bits<4>(d, down, shared_down, act, ids_in, weights_in, t, residual, smem); break;
+        case 8: down_tokens_shared_bits<8>(d, down, shared_down, act, ids_in, weights_in, t, residual, smem); break;
+        default: down_tokens_shared_bits<16>(d, down, shared_down, act, ids_in, weights_in, t, residual, smem); break;
+    }
+}
+
+// Each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot top_k is the
+// shared expert, id -1, weight its sigmoid gate), the sum of `splits` partial sums `split_stride`
+// floats apart (prefill's gemm_q split k; 1 for decode batches). One block per token, of one warp
+// (prefill) or 256 threads (decode batches, where it is on the critical path).
+extern "C" __global__ void __launch_bounds__(256) moe_route(MoeDims d, const float* router_logits, int splits,
                                                           size_t split_stride, int* ids, float* weights) {
     __shared__ float logits[MAX_EXPERTS + 1];
     __shared__ unsigned long long keys[2 * MAX_EXPERTS];
@@ -392,13 +546,14 @@ extern "C" __global__ void __launch_bounds__(32) moe_route(MoeDims d, const floa
     wait_for_previous_kernel();
     const size_t t = blockIdx.x;
     for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) {
-        float sum = 0.0f;
-        for (int s = 0; s < splits; ++s) sum += router_logits[s * split_stride + t * (d.experts + 1) + e];
+        // The first partial as it is: the one-token kernels rank the logits unchanged.
+        float sum = router_logits[t * (d.experts + 1) + e];
+        for (int s = 1; s < splits; ++s) sum += router_logits[s * split_stride + t * (d.experts + 1) + e];
         logits[e] = sum;
     }
-    __syncwarp();
+    __syncthreads();
     rank_experts(d, logits, keys, chosen);
-    routing_weights(d, logits, chosen, weights + t * (d.top_k + 1));
+    if (threadIdx.x < 32) routing_weights(d, logits, chosen, weights + t * (d.top_k + 1));
     for (int i = threadIdx.x; i <= d.top_k; i += blockDim.x) ids[t * (d.top_k + 1) + i] = chosen[i];
 }
 

@@ -115,6 +115,53 @@ __device__ __forceinline__ void source_eight(const StageSource& src, const float
     e[4] = b.x * nb.x * m; e[5] = b.y * nb.y * m; e[6] = b.z * nb.z * m; e[7] = b.w * nb.w * m;
 }
 
+// Stores word t (inputs 8t .. 8t + 7, their values e) of a staged input of `cols` values into
+// xs, in the layout above. Called by whole warps, consecutive words on consecutive lanes: a 4-bit
+// chunk's scale and sum are shuffled over its four words, an 8-bit chunk's sum over its two.
+// Lanes past the input (valid false) take part in the shuffles with zeros and store nothing.
+template <int BITS>
+__device__ __forceinline__ void stage_word(int t, bool valid, int cols, const float (&e)[8], float* xs) {
+    if (BITS == 4) {
+        const int chunks = cols / 32;
+        float2* chunk_stats = reinterpret_cast<float2*>(xs + cols / 2);
+        const int c = t >> 2, k = t & 3;
+        float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+        float mx = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fabsf(e[j]));
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        }
+        const float to_int = mx > 0.0f ? 32767.0f / mx : 0.0f;
+        uint32_t q[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) q[j] = static_cast<uint32_t>(__float2int_rn(e[j] * to_int)) & 0xffffu;
+        if (valid) {
+            reinterpret_cast<uint4*>(xs)[k * chunks + c] =
+                make_uint4(q[0] | q[2] << 16, q[4] | q[6] << 16, q[1] | q[3] << 16, q[5] | q[7] << 16);
+            if (k == 0) chunk_stats[c] = make_float2(mx * (1.0f / 32767.0f), sum);
+        }
+    } else {
+        constexpr int VPC = 128 / BITS;
+        const int chunks = cols / VPC;
+        // Word t: inputs 8t.. of chunk c = 8t / VPC, float4s q and q + 1 of it.
+        const int c = (8 * t) / VPC, q = ((8 * t) % VPC) / 4;
+        if (valid) {
+            float4* x4 = reinterpret_cast<float4*>(xs);
+            x4[q * chunks + c] = make_float4(e[0], e[1], e[2], e[3]);
+            x4[(q + 1) * chunks + c] = make_float4(e[4], e[5], e[6], e[7]);
+        }
+        if (BITS == 8) {
+            // A 16-value chunk is two consecutive words.
+            float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            if ((t & 1) == 0 && valid) xs[cols + c] = sum;
+        }
+    }
+}
+
 // Stages the source for a weight of BITS bits into xs (16-byte aligned), then a barrier; scaled
 // by norm_scale when non-null, and returns the factor every product with the staged input must
 // then be multiplied by: the RMS norm's 1 / rms(x) (norm over a single piece only), else 1.
@@ -126,55 +173,11 @@ __device__ float stage(const StageSource& src, const float* norm_scale, float ep
     const int cols = src.seg_cols * src.segments;
     float ss = 0.0f;
     const int words = cols / 8;
-    if (BITS == 4) {
-        const int chunks = cols / 32;
-        float2* chunk_stats = reinterpret_cast<float2*>(xs + cols / 2);
-        // Warp-uniform trip count: the shuffles below need every lane.
-        for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
-            float e[8] = {};
-            if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
-            const int c = t >> 2, k = t & 3;
-            // The four words of a chunk belong to four consecutive threads of one warp.
-            float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
-            float mx = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fabsf(e[j]));
-#pragma unroll
-            for (int o = 1; o <= 2; o <<= 1) {
-                sum += __shfl_xor_sync(0xffffffffu, sum, o);
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            }
-            const float to_int = mx > 0.0f ? 32767.0f / mx : 0.0f;
-            uint32_t q[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) q[j] = static_cast<uint32_t>(__float2int_rn(e[j] * to_int)) & 0xffffu;
-            if (t < words) {
-                reinterpret_cast<uint4*>(xs)[k * chunks + c] =
-                    make_uint4(q[0] | q[2] << 16, q[4] | q[6] << 16, q[1] | q[3] << 16, q[5] | q[7] << 16);
-                if (k == 0) chunk_stats[c] = make_float2(mx * (1.0f / 32767.0f), sum);
-            }
-        }
-    } else {
-        constexpr int VPC = 128 / BITS;
-        const int chunks = cols / VPC;
-        float* csum = xs + cols;
-        for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
-            float e[8] = {};
-            if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
-            // Word t: inputs 8t.. of chunk c = 8t / VPC, float4s q and q + 1 of it.
-            const int c = (8 * t) / VPC, q = ((8 * t) % VPC) / 4;
-            if (t < words) {
-                float4* x4 = reinterpret_cast<float4*>(xs);
-                x4[q * chunks + c] = make_float4(e[0], e[1], e[2], e[3]);
-                x4[(q + 1) * chunks + c] = make_float4(e[4], e[5], e[6], e[7]);
-            }
-            if (BITS == 8) {
-                // A 16-value chunk is two consecutive words.
-                float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                if ((t & 1) == 0 && t < words) csum[c] = sum;
-            }
-        }
+    // Warp-uniform trip count: stage_word's shuffles need every lane.
+    for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
+        float e[8] = {};
+        if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
+        stage_word<BITS>(t, t < words, cols, e, xs);
     }
     const int warps = blockDim.x >> 5;
     if (norm_scale != nullptr) {
@@ -186,6 +189,52 @@ __device__ float stage(const StageSource& src, const float* norm_scale, float ep
     float total = 0.0f;
     for (int w = 0; w < warps; ++w) total += scratch[w];
     return rsqrtf(total / cols + eps);
+}
+
+// stage() by one warp, so that the warps of a block stage several inputs at once (no barrier: the
+// caller synchronises). Bit for bit what stage() gives in a block of WARPS warps: lane l sums the
+// squares of the words thread v * 32 + l of that block would, in the same order, for each warp v,
+// and the warps' sums are added in order. A lane requests 4 words before it uses any: as many
+// loads in flight as fit in registers beside the callers' weight rows.
+template <int BITS, int WARPS>
+__device__ float stage_by_warp(const StageSource& src, const float* norm_scale, float eps, float* xs) {
+    constexpr int G = 4;
+    static_assert(WARPS % G == 0, "whole groups of words");
+    const int lane = threadIdx.x & 31;
+    const int cols = src.seg_cols * src.segments, words = cols / 8;
+    float ss[WARPS];
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) ss[v] = 0.0f;
+    for (int base = 0; base < words; base += 32 * WARPS) {
+#pragma unroll
+        for (int v0 = 0; v0 < WARPS; v0 += G) {
+            float e[G][8];
+#pragma unroll
+            for (int v = 0; v < G; ++v) {
+                const int t = base + (v0 + v) * 32 + lane;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) e[v][j] = 0.0f;
+                if (t < words) source_eight(src, norm_scale, 8 * t, e[v], ss[v0 + v]);
+            }
+#pragma unroll
+            for (int v = 0; v < G; ++v) {
+                const int t = base + (v0 + v) * 32 + lane;
+                stage_word<BITS>(t, t < words, cols, e[v], xs);
+            }
+        }
+    }
+    if (norm_scale == nullptr) return 1.0f;
+    float total = 0.0f;
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) total += warp_sum(ss[v]);
+    return rsqrtf(total / cols + eps);
+}
+
+// Floats of shared memory a staged input of `cols` values takes for BITS-bit weights (the layout
+// above), rounded to whole float4s: what several staged inputs side by side each take.
+__host__ __device__ __forceinline__ int staged_floats_bits(int cols, int bits) {
+    const int floats = bits == 4 ? cols / 2 + cols / 16 : bits == 8 ? cols + cols / 16 : cols;
+    return (floats + 3) & ~3;
 }
 
 // The staged input as the dot products read it.
