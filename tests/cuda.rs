@@ -751,33 +751,14 @@ fn batch_prompts(dir: &Path, vocab: u32, count: usize) -> Vec<Vec<u32>> {
 /// ids, bit-identical logits and the same sampled ids, with prompts of different lengths, in
 /// batches whose members change (a sequence leaving mid-way, so the batch tables are rewritten
 /// and another batch size's graph is captured), on bf16 weights (quantised ones take a tensor-core
-/// product in batches: `quantized_batches_decode_like_the_cpu`). Ten sequences: the MoE kernels'
-/// blocks take five tokens each, in two grid rows.
+/// product in batches: `quantized_batches_decode_like_the_cpu`).
 #[test]
 fn batched_decode_matches_each_sequence_decoded_alone() {
     let dir = &fixtures()[0];
     let model = Model::load(dir).unwrap();
     let vocab = model.config.vocab_size as u32;
-    batched_decode_matches_alone(&model, &batch_prompts(dir, vocab, 10));
-}
-
-/// The same with 24 DeltaNet value heads, on random weights: 96 blocks of `deltanet_step` per
-/// sequence, so that on an H100/H200 (two blocks per SM) a batch's rows do not all fit at once and
-/// `deltanet_step_rows` takes them, two grid rows of five sequences (five and four once one has
-/// left), each block taking its sequences in turn, the next one's state copied in while it
-/// updates the current.
-#[test]
-fn batched_decode_with_many_deltanet_heads_matches_each_sequence_decoded_alone() {
-    let fields = [("linear_num_value_heads", 24)];
-    let config = ModelConfig::from_json_str(&demo_config_with(&fields).to_string()).unwrap();
-    let model = random_model(config).unwrap();
-    let vocab = model.config.vocab_size as u32;
-    batched_decode_matches_alone(&model, &batch_prompts(&fixtures()[0], vocab, 10));
-}
-
-fn batched_decode_matches_alone(model: &Model, batch_prompts: &[Vec<u32>]) {
-    let vocab = model.config.vocab_size as u32;
-    let gpu = cuda(model, 3 * batch_prompts.len());
+    let batch_prompts = batch_prompts(dir, vocab, 10);
+    let gpu = cuda(&model, 3 * batch_prompts.len());
     let steps = 10;
     let runs: Vec<AloneRun> = batch_prompts
         .iter()
@@ -786,7 +767,7 @@ fn batched_decode_matches_alone(model: &Model, batch_prompts: &[Vec<u32>]) {
         .collect();
 
     let mut greedy = Vec::new();
-    for p in batch_prompts {
+    for p in &batch_prompts {
         let mut s = gpu.new_state().unwrap();
         gpu.prefill(&mut s, p, LogitsFor::Last).unwrap();
         greedy.push(s);

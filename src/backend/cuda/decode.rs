@@ -229,53 +229,19 @@ impl CudaBackend {
         let c = &self.config;
         let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
         let tokens = tokens as i32;
-        let blocks = c.linear_num_value_heads * gdn.splits;
-        // A batch's rows go to as many grid rows as run at once (two blocks per SM), each block
-        // of `deltanet_step_rows` taking its rows in turn.
-        let grid_rows = rows.min((2 * self.num_sms as usize / blocks).max(1));
-        let per_block = rows.div_ceil(grid_rows);
-        if per_block == 1 {
-            let mut launch = cfg(blocks as u32, 1, gdn.threads as u32, gdn.smem as u32);
-            launch.grid_dim.2 = rows as u32;
-            // SAFETY: shapes checked at construction; proj and out hold a row per token (or
-            // sequence); the grid is whole clusters.
-            return unsafe {
-                self.launch_clusters(
-                    "deltanet_step",
-                    &self.k.deltanet_step,
-                    launch,
-                    gdn.splits as u32,
-                    &mut [
-                        arg(l.dims),
-                        arg(&l.proj),
-                        arg(&l.conv),
-                        arg(&l.conv_w),
-                        arg(&l.a_log),
-                        arg(&l.dt_bias),
-                        arg(&l.norm),
-                        arg(&l.state),
-                        arg(&l.position),
-                        arg(&tokens),
-                        arg(&l.out),
-                        arg(&l.seqs),
-                    ],
-                )
-            };
-        }
-        ensure!(tokens == 1, "a batch decodes one token per sequence");
         let mut launch = cfg(
-            blocks as u32,
+            (c.linear_num_value_heads * gdn.splits) as u32,
             1,
             gdn.threads as u32,
-            gdn.batched_smem() as u32,
+            gdn.smem as u32,
         );
-        launch.grid_dim.2 = rows.div_ceil(per_block) as u32;
-        let (per_block, batch_rows) = (per_block as i32, rows as i32);
-        // SAFETY: as above, one token per row of the batch tables.
+        launch.grid_dim.2 = rows as u32;
+        // SAFETY: shapes checked at construction; proj and out hold a row per token (or
+        // sequence); the grid is whole clusters.
         unsafe {
             self.launch_clusters(
-                "deltanet_step_rows",
-                &self.k.deltanet_step_rows,
+                "deltanet_step",
+                &self.k.deltanet_step,
                 launch,
                 gdn.splits as u32,
                 &mut [
@@ -288,13 +254,13 @@ impl CudaBackend {
                     arg(&l.norm),
                     arg(&l.state),
                     arg(&l.position),
+                    arg(&tokens),
                     arg(&l.out),
                     arg(&l.seqs),
-                    arg(&per_block),
-                    arg(&batch_rows),
                 ],
             )
-        }
+        }?;
+        Ok(())
     }
 
     /// q/k norms, RoPE and the cache append for `tokens` tokens at consecutive positions.

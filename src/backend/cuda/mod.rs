@@ -101,8 +101,6 @@ struct DeltaNetDims {
 struct DeltaNetShape {
     splits: usize,
     threads: usize,
-    /// State rows each thread owns.
-    rows: usize,
     smem: usize,
 }
 
@@ -121,15 +119,8 @@ impl DeltaNetShape {
         (fits && threads.is_multiple_of(32)).then_some(Self {
             splits,
             threads,
-            rows,
             smem: (2 * kd + cols + threads + 64) * 4,
         })
-    }
-
-    /// Shared memory of a block taking several rows of a batch: also the next row's state and
-    /// conv history (two channels of three inputs per thread).
-    fn batched_smem(&self) -> usize {
-        self.smem + (self.rows + 6) * self.threads * 4
     }
 }
 
@@ -532,7 +523,6 @@ struct Kernels {
     matvec_mma: CudaFunction,
     embed: CudaFunction,
     deltanet_step: CudaFunction,
-    deltanet_step_rows: CudaFunction,
     deltanet_conv_ring: CudaFunction,
     deltanet_conv_chunk: CudaFunction,
     deltanet_norm_chunk: CudaFunction,
@@ -794,7 +784,6 @@ impl CudaBackend {
             matvec_mma: get("matvec_mma")?,
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
-            deltanet_step_rows: get("deltanet_step_rows")?,
             deltanet_conv_ring: get("deltanet_conv_ring")?,
             deltanet_conv_chunk: get("deltanet_conv_chunk")?,
             deltanet_norm_chunk: get("deltanet_norm_chunk")?,
@@ -837,7 +826,6 @@ impl CudaBackend {
             &k.moe_gate_up_tokens,
             &k.moe_down_tokens,
             &k.deltanet_step,
-            &k.deltanet_step_rows,
             &k.gemm_q,
             &k.gemm_q_grouped,
             &k.gemm_q_grouped_wide,
@@ -1653,7 +1641,6 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
         "matvec" => &["matvec", "matvec_two_rows", "matvec_mma", "embed"],
         "deltanet" => &[
             "deltanet_step",
-            "deltanet_step_rows",
             "deltanet_conv_ring",
             "deltanet_conv_chunk",
             "deltanet_norm_chunk",

@@ -30,33 +30,6 @@ __device__ __forceinline__ void cluster_store(float* local, uint32_t rank, float
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
 }
 
-// Copies 16 bytes from global to shared memory asynchronously; writes zeros instead (reading
-// nothing) when !valid.
-__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_8(double* dst, const double* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(shared_address(dst)), "l"(src) : "memory");
-}
-
-// 4 bytes; a zero instead (reading nothing) when !valid.
-__device__ __forceinline__ void cp_async_4(float* dst, const float* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(valid ? 4 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Waits until at most PENDING of this thread's latest commit groups are in flight (other threads'
-// copies need a __syncthreads after).
-template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
-
 // Floats of one token's projection: [conv_dim (q|k|v) | z (value_heads*value_dim) |
 // b (value_heads) | a (value_heads)].
 __device__ __forceinline__ int deltanet_proj_width(const DeltaNetDims& d, int conv_dim) {
@@ -70,36 +43,22 @@ struct DeltaNetSeqs {
     const unsigned long long* position;
 };
 
-// Where this thread's conv history (the input j + 1 steps before position pos0, of its channel
-// r) is in a sequence's ring; null where there is none (before the sequence, past the kernel or
-// the block's channels).
-__device__ __forceinline__ const float* conv_history(const DeltaNetDims& d, const float* conv_ring, int conv_dim,
-                                                     int ch, int channels, int pos0, int r, int j) {
-    const int i = threadIdx.x + r * blockDim.x, p = pos0 - 1 - j;
-    return j < d.kernel - 1 && i < channels && p >= 0 ? conv_ring + mod_fast(p, d.kernel) * conv_dim + ch : nullptr;
-}
-
 // `tokens` consecutive tokens from position position[0]: proj and out hold one row per token.
-// Batched (seqs non-null; one token each): rows of the batch, each with its sequence's conv
-// ring, state and position from the tables. deltanet_step takes row blockIdx.z; with ROWS
-// (deltanet_step_rows), a block takes rows blockIdx.z * rows_per_block .. (at most batch_rows)
-// in turn, the next row's state and conv history copied into shared memory (cp.async) while it
-// updates the current one: one wave of blocks instead of one grid row per sequence, each row
-// paying the state's round trip to memory.
+// Batched (seqs non-null; one token each): blockIdx.z is the row, whose sequence's conv ring,
+// state and position come from the tables.
 // conv_ring: [kernel, conv_dim]; conv_w: [conv_dim, kernel]; state: [value_heads, key_dim, value_dim].
 // A single token (decode) also records its conv input in the ring; for several, deltanet_conv_ring
 // does it afterwards (blocks run through the tokens at their own pace, and another block may
 // still need the history a ring slot holds).
 // Launch: value_heads * splits blocks in clusters of `splits`; cols = value_dim / splits columns
 // per block, cols * groups threads, each owning key_dim / groups state rows of one column.
-// Shared memory: (2 * key_dim + cols + threads + 64) floats, with ROWS (rows + 6) * threads more
-// (rows: the state rows a thread owns).
-template <bool ROWS>
-__device__ __forceinline__ void deltanet_step_body(const DeltaNetDims& d, const float* proj, float* conv_ring,
-                                                   const float* conv_w, const float* a_log, const float* dt_bias,
-                                                   const float* norm_w, float* state, const int* position,
-                                                   int tokens, float* out, const DeltaNetSeqs& seqs,
-                                                   int rows_per_block, int batch_rows) {
+// Shared memory: (2 * key_dim + cols + threads + 64) floats.
+extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring,
+                                                              const float* conv_w, const float* a_log,
+                                                              const float* dt_bias, const float* norm_w, float* state,
+                                                              const int* position, int tokens, float* out,
+                                                              DeltaNetSeqs seqs) {
+    TRACE_BLOCK();
     extern __shared__ float smem[];
     // Sums of squares of the head's output, per token parity, block of the cluster and warp of
     // group 0 (cols <= 256, splits <= MAX_SPLITS): every block pushes its own to all.
@@ -113,8 +72,12 @@ __device__ __forceinline__ void deltanet_step_body(const DeltaNetDims& d, const 
     const int conv_dim = 2 * key_width + d.value_heads * d.value_dim;
     const int proj_width = deltanet_proj_width(d, conv_dim), out_width = d.value_heads * d.value_dim;
     const int cols = div_fast(d.value_dim, d.splits), col0 = part * cols;
-    const int first_row = ROWS ? blockIdx.z * rows_per_block : blockIdx.z;
-    const int end_row = ROWS ? min(first_row + rows_per_block, batch_rows) : first_row + 1;
+    const int row_of_batch = blockIdx.z;
+    conv_ring = seq_buffer(conv_ring, seqs.conv, row_of_batch);
+    state = seq_buffer(state, seqs.state, row_of_batch);
+    position = seq_buffer(position, seqs.position, row_of_batch);
+    proj += (size_t)row_of_batch * proj_width;
+    out += (size_t)row_of_batch * out_width;
 
     // Everything but the projections was written by earlier steps or is a weight: the
     // recurrent state, the conv history and the per-head parameters are requested before waiting
@@ -123,17 +86,12 @@ __device__ __forceinline__ void deltanet_step_body(const DeltaNetDims& d, const 
     const int groups = div_fast(blockDim.x, cols);
     const int c = mod_fast(threadIdx.x, cols), grp = div_fast(threadIdx.x, cols), dv = col0 + c;
     const int rows = div_fast(d.key_dim, groups);
-    const size_t head_state = (size_t)h * d.key_dim * d.value_dim;
-    // The row's buffers; with ROWS they move on to the next row's at the end of each.
-    float* ring = seq_buffer(conv_ring, seqs.conv, first_row);
-    float* S = seq_buffer(state, seqs.state, first_row) + head_state;
-    int pos0 = seq_buffer(position, seqs.position, first_row)[0];
-    proj += (size_t)first_row * proj_width;
-    out += (size_t)first_row * out_width;
+    float* S = state + (size_t)h * d.key_dim * d.value_dim;
     float s[MAX_ROWS_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i)
         if (i < rows) s[i] = S[(grp + i * groups) * d.value_dim + dv];
+    const int pos0 = position[0];
     const float head_decay = __expf(a_log[h]), head_dt_bias = dt_bias[h], norm_scale = norm_w[dv];
 
     float* q = smem;                 // [key_dim]
@@ -141,9 +99,6 @@ __device__ __forceinline__ void deltanet_step_body(const DeltaNetDims& d, const 
     float* v = k + d.key_dim;        // [cols]
     float* red = v + cols;           // [groups, cols]
     float* scratch = red + blockDim.x;  // [64]
-    // With ROWS, the next row's state [rows, threads] and conv history [2, 3, threads].
-    float* next_state = scratch + 64;
-    float* next_hist = next_state + rows * blockDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 
     // Causal conv + SiLU over the channels this block reads: its key head's q and k, its v
@@ -165,188 +120,123 @@ __device__ __forceinline__ void deltanet_step_body(const DeltaNetDims& d, const 
         for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
             back[r][j] = j < d.kernel && i < channels ? conv_w[ch * d.kernel + d.kernel - 1 - j] : 0.0f;
             if (j < MAX_CONV_KERNEL - 1) {
-                const float* p = conv_history(d, ring, conv_dim, ch, channels, pos0, r, j);
-                hist[r][j] = p != nullptr ? *p : 0.0f;
+                const int p = pos0 - 1 - j;
+                const bool have = j < d.kernel - 1 && i < channels && p >= 0;
+                hist[r][j] = have ? conv_ring[mod_fast(p, d.kernel) * conv_dim + ch] : 0.0f;
             }
         }
     }
     wait_for_previous_kernel();
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 
-    // Counts tokens over the rows: the parity of the cluster's partial sums alternates per token.
-    int step = 0;
-    for (int row_of_batch = first_row;; ++row_of_batch) {
-        // The next row's state and conv history are requested now, to arrive during this row.
-        const bool more = ROWS && row_of_batch + 1 < end_row;
-        float* next_ring = nullptr;
-        float* next_S = nullptr;
-        int next_pos = 0;
-        if (more) {
-            next_ring = seq_buffer(conv_ring, seqs.conv, row_of_batch + 1);
-            next_S = seq_buffer(state, seqs.state, row_of_batch + 1) + head_state;
-            next_pos = seq_buffer(position, seqs.position, row_of_batch + 1)[0];
+    for (int t = 0; t < tokens; ++t) {
+        const float* row = proj + (size_t)t * proj_width;
+        const float* zba = row + conv_dim;
+        const float b = zba[d.value_heads * d.value_dim + h];
+        const float a = zba[d.value_heads * d.value_dim + d.value_heads + h];
+        const float z = zba[h * d.value_dim + dv];
+        // This thread's share of the squares of q and k (for their L2 norms).
+        float qs = 0.0f, ks = 0.0f;
 #pragma unroll
-            for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i)
-                if (i < rows)
-                    cp_async_4(next_state + i * blockDim.x + threadIdx.x, next_S + (grp + i * groups) * d.value_dim + dv,
-                               true);
+        for (int r = 0; r < 2; ++r) {
+            const int i = threadIdx.x + r * blockDim.x;
+            if (i >= channels) continue;
+            const int ch = conv_ch[r];
+            const float cur = row[ch];
+            float acc = back[r][0] * cur;
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
+            for (int j = 1; j < MAX_CONV_KERNEL; ++j) acc += back[r][j] * hist[r][j - 1];
 #pragma unroll
-                for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j) {
-                    const float* p = conv_history(d, next_ring, conv_dim, conv_ch[r], channels, next_pos, r, j);
-                    cp_async_4(next_hist + (r * (MAX_CONV_KERNEL - 1) + j) * blockDim.x + threadIdx.x, p, p != nullptr);
-                }
-            cp_async_commit();
+            for (int j = MAX_CONV_KERNEL - 2; j > 0; --j) hist[r][j] = hist[r][j - 1];
+            hist[r][0] = cur;
+            const float x = silu(acc);
+            if (i < nq) {
+                q[i] = x;
+                qs += x * x;
+            } else if (i < 2 * nq) {
+                k[i - nq] = x;
+                ks += x * x;
+            } else {
+                v[i - 2 * nq] = x;
+            }
+            // q/k channels are read by every block of `ratio` value heads: the first one records them.
+            const bool owner = i >= 2 * nq || (mod_fast(h, ratio) == 0 && part == 0);
+            if (tokens == 1 && owner) conv_ring[mod_fast(pos0, d.kernel) * conv_dim + ch] = cur;
         }
-        for (int t = 0; t < tokens; ++t, ++step) {
-            const float* row = proj + (size_t)t * proj_width;
-            const float* zba = row + conv_dim;
-            const float b = zba[d.value_heads * d.value_dim + h];
-            const float a = zba[d.value_heads * d.value_dim + d.value_heads + h];
-            const float z = zba[h * d.value_dim + dv];
-            // This thread's share of the squares of q and k (for their L2 norms).
-            float qs = 0.0f, ks = 0.0f;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int i = threadIdx.x + r * blockDim.x;
-                if (i >= channels) continue;
-                const int ch = conv_ch[r];
-                const float cur = row[ch];
-                float acc = back[r][0] * cur;
-#pragma unroll
-                for (int j = 1; j < MAX_CONV_KERNEL; ++j) acc += back[r][j] * hist[r][j - 1];
-#pragma unroll
-                for (int j = MAX_CONV_KERNEL - 2; j > 0; --j) hist[r][j] = hist[r][j - 1];
-                hist[r][0] = cur;
-                const float x = silu(acc);
-                if (i < nq) {
-                    q[i] = x;
-                    qs += x * x;
-                } else if (i < 2 * nq) {
-                    k[i - nq] = x;
-                    ks += x * x;
-                } else {
-                    v[i - 2 * nq] = x;
-                }
-                // q/k channels are read by every block of `ratio` value heads: the first one records them.
-                const bool owner = i >= 2 * nq || (mod_fast(h, ratio) == 0 && part == 0);
-                if (tokens == 1 && owner) ring[mod_fast(pos0, d.kernel) * conv_dim + ch] = cur;
-            }
-            qs = warp_sum(qs);
-            ks = warp_sum(ks);
-            if (lane == 0) {
-                scratch[warp] = qs;
-                scratch[32 + warp] = ks;
-            }
-            __syncthreads();
-            // The L2 norms of q and k (q also takes the 1/sqrt(key_dim) scale) are applied to the
-            // products below, which are linear in each, rather than to q and k themselves.
-            qs = ks = 0.0f;
-            for (int w = 0; w < warps; ++w) {
-                qs += scratch[w];
-                ks += scratch[32 + w];
-            }
-            const float qinv = rsqrtf(qs + 1e-6f) * rsqrtf((float)d.key_dim);
-            const float kinv = rsqrtf(ks + 1e-6f);
+        qs = warp_sum(qs);
+        ks = warp_sum(ks);
+        if (lane == 0) {
+            scratch[warp] = qs;
+            scratch[32 + warp] = ks;
+        }
+        __syncthreads();
+        // The L2 norms of q and k (q also takes the 1/sqrt(key_dim) scale) are applied to the
+        // products below, which are linear in each, rather than to q and k themselves.
+        qs = ks = 0.0f;
+        for (int w = 0; w < warps; ++w) {
+            qs += scratch[w];
+            ks += scratch[32 + w];
+        }
+        const float qinv = rsqrtf(qs + 1e-6f) * rsqrtf((float)d.key_dim);
+        const float kinv = rsqrtf(ks + 1e-6f);
 
-            const float beta = sigmoid(b);
-            const float decay = __expf(-head_decay * softplus(a + head_dt_bias));
+        const float beta = sigmoid(b);
+        const float decay = __expf(-head_decay * softplus(a + head_dt_bias));
 
-            float kv = 0.0f;
+        float kv = 0.0f;
 #pragma unroll
-            for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i) {
-                if (i < rows) {
-                    const int dk = grp + i * groups;
-                    s[i] *= decay;
-                    kv += s[i] * k[dk];
-                }
-            }
-            red[threadIdx.x] = kv;
-            __syncthreads();
-            kv = 0.0f;
-            for (int g = 0; g < groups; ++g) kv += red[g * cols + c];
-            const float delta = beta * (v[c] - kv * kinv);
-            const float k_delta = kinv * delta;
-            float o = 0.0f;
-#pragma unroll
-            for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i) {
-                if (i < rows) {
-                    const int dk = grp + i * groups;
-                    s[i] += k[dk] * k_delta;
-                    o += s[i] * q[dk];
-                }
-            }
-            __syncthreads();
-            red[threadIdx.x] = o;
-            __syncthreads();
-            o = 0.0f;
-            for (int g = 0; g < groups; ++g) o += red[g * cols + c];
-            o *= qinv;
-
-            // Gated RMSNorm over the head's value_dim columns: norm(o) * w * silu(z); the cluster's
-            // blocks each hold `cols` of them, group 0 (the first `cols` threads) one each.
-            // One cluster barrier per token: the partials are pushed (so no block reads another's
-            // shared memory after it), and alternate buffers by token parity (a block can be at
-            // most one token ahead of another: it passes token t's barrier only once every block
-            // has finished token t - 1).
-            float (*sums)[8] = partial_sq[step & 1];
-            if (warp < (cols + 31) / 32) {
-                const float sq = warp_sum(grp == 0 ? o * o : 0.0f);
-                if (lane < d.splits) cluster_store(&sums[part][warp], lane, sq);
-            }
-            cluster_barrier();
-            float total = 0.0f;
-            for (int r = 0; r < d.splits; ++r)
-                for (int w = 0; w < (cols + 31) / 32; ++w) total += sums[r][w];
-            if (grp == 0) {
-                const float inv = rsqrtf(total / d.value_dim + d.eps);
-                out[(size_t)t * out_width + h * d.value_dim + dv] = o * inv * norm_scale * silu(z);
+        for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i) {
+            if (i < rows) {
+                const int dk = grp + i * groups;
+                s[i] *= decay;
+                kv += s[i] * k[dk];
             }
         }
+        red[threadIdx.x] = kv;
+        __syncthreads();
+        kv = 0.0f;
+        for (int g = 0; g < groups; ++g) kv += red[g * cols + c];
+        const float delta = beta * (v[c] - kv * kinv);
+        const float k_delta = kinv * delta;
+        float o = 0.0f;
 #pragma unroll
-        for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i)
-            if (i < rows) S[(grp + i * groups) * d.value_dim + dv] = s[i];
-        if (!more) break;
-        // Each thread reads back only the words it copied.
-        cp_async_wait<0>();
-#pragma unroll
-        for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i)
-            if (i < rows) s[i] = next_state[i * blockDim.x + threadIdx.x];
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
-                hist[r][j] = next_hist[(r * (MAX_CONV_KERNEL - 1) + j) * blockDim.x + threadIdx.x];
-        ring = next_ring;
-        S = next_S;
-        pos0 = next_pos;
-        proj += proj_width;
-        out += out_width;
+        for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i) {
+            if (i < rows) {
+                const int dk = grp + i * groups;
+                s[i] += k[dk] * k_delta;
+                o += s[i] * q[dk];
+            }
+        }
+        __syncthreads();
+        red[threadIdx.x] = o;
+        __syncthreads();
+        o = 0.0f;
+        for (int g = 0; g < groups; ++g) o += red[g * cols + c];
+        o *= qinv;
+
+        // Gated RMSNorm over the head's value_dim columns: norm(o) * w * silu(z); the cluster's
+        // blocks each hold `cols` of them, group 0 (the first `cols` threads) one each.
+        // One cluster barrier per token: the partials are pushed (so no block reads another's
+        // shared memory after it), and alternate buffers by token parity (a block can be at
+        // most one token ahead of another: it passes token t's barrier only once every block
+        // has finished token t - 1).
+        float (*sums)[8] = partial_sq[t & 1];
+        if (warp < (cols + 31) / 32) {
+            const float sq = warp_sum(grp == 0 ? o * o : 0.0f);
+            if (lane < d.splits) cluster_store(&sums[part][warp], lane, sq);
+        }
+        cluster_barrier();
+        float total = 0.0f;
+        for (int r = 0; r < d.splits; ++r)
+            for (int w = 0; w < (cols + 31) / 32; ++w) total += sums[r][w];
+        if (grp == 0) {
+            const float inv = rsqrtf(total / d.value_dim + d.eps);
+            out[(size_t)t * out_width + h * d.value_dim + dv] = o * inv * norm_scale * silu(z);
+        }
     }
-}
-
-extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring,
-                                                              const float* conv_w, const float* a_log,
-                                                              const float* dt_bias, const float* norm_w, float* state,
-                                                              const int* position, int tokens, float* out,
-                                                              DeltaNetSeqs seqs) {
-    TRACE_BLOCK();
-    deltanet_step_body<false>(d, proj, conv_ring, conv_w, a_log, dt_bias, norm_w, state, position, tokens, out, seqs,
-                              1, 1);
-}
-
-// Two blocks to an SM, as the launch that spreads a batch's rows over grid rows assumes.
-extern "C" __global__ void __launch_bounds__(256, 2) deltanet_step_rows(DeltaNetDims d, const float* proj,
-                                                                      float* conv_ring, const float* conv_w,
-                                                                      const float* a_log, const float* dt_bias,
-                                                                      const float* norm_w, float* state,
-                                                                      const int* position, float* out,
-                                                                      DeltaNetSeqs seqs, int rows_per_block,
-                                                                      int batch_rows) {
-    TRACE_BLOCK();
-    deltanet_step_body<true>(d, proj, conv_ring, conv_w, a_log, dt_bias, norm_w, state, position, 1, out, seqs,
-                             rows_per_block, batch_rows);
+#pragma unroll
+    for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i)
+        if (i < rows) S[(grp + i * groups) * d.value_dim + dv] = s[i];
 }
 
 // After a multi-token deltanet_step: records the last min(tokens, kernel) conv inputs (positions
@@ -562,6 +452,26 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_scan(DeltaNetDims d, 
 // Value columns of a head's state per deltanet_chunk_state block: 32, or 16 where value_dim is
 // not a multiple of 32.
 __device__ __forceinline__ int gdn_state_cols(int value_dim) { return value_dim % 32 == 0 ? 32 : 16; }
+
+// Copies 16 bytes from global to shared memory asynchronously; writes zeros instead (reading
+// nothing) when !valid.
+__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_8(double* dst, const double* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(shared_address(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most PENDING of this thread's latest commit groups are in flight (other threads'
+// copies need a __syncthreads after).
+template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
 
 // The whole block: cp.async of a sub-chunk's 64 rows of `width` floats (a multiple of 4; rows
 // 16-byte aligned) from src (row stride src_stride) to dst (row stride dst_stride); rows from
