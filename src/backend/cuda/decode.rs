@@ -14,7 +14,8 @@ use super::{
     AttentionBuffers, AttentionDims, AttentionSeqs, AttentionSplits, BatchTables, COMBINE_DIMS,
     COMBINE_PARTS, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape,
     GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot,
-    StepEnd, arg, attention_tile_row, cfg, moe_token_blocks, staged_bytes, staged_floats_bits,
+    StepEnd, arg, attention_tile_row, cfg, moe_down_staged_bytes, moe_token_blocks, staged_bytes,
+    staged_floats_bits,
 };
 
 /// Whose tokens a recorded decode step carries.
@@ -521,12 +522,12 @@ impl CudaBackend {
                 ],
             )
         }?;
-        self.moe_down_launch(layer, &dims, act, ids, weights, x)
+        self.moe_down_launch(layer, &dims, act, ids, weights, x, 1, false)
     }
 
     /// The routed experts of the MoE block for several tokens (after `moe_router_shared`):
-    /// each token routed once (`moe_route`), then `moe_gate_up_tokens` and `moe_down_tokens`,
-    /// whose blocks take several tokens each.
+    /// each token routed once (`moe_route`), then `moe_gate_up_tokens`, whose blocks take
+    /// several tokens each, and `moe_down`.
     fn moe_tokens(
         &self,
         layer: &weights::DeviceLayer,
@@ -588,45 +589,13 @@ impl CudaBackend {
                 ],
             )
         }?;
-        let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        let per_token = 4
-            * (staged_floats_bits(
-                c.moe_intermediate_size * c.num_experts_per_tok,
-                layer.down.bits,
-            ) + staged_floats_bits(c.shared_expert_intermediate_size, layer.shared_down.bits));
-        let (per_block, rows) = moe_token_blocks(tokens, per_token, self.moe_tokens_smem);
-        let mut launch = cfg(
-            c.hidden_size.div_ceil(warps * DOWN_ROWS_PER_WARP) as u32,
-            1,
-            MATVEC_THREADS,
-            (per_block * per_token) as u32,
-        );
-        launch.grid_dim.2 = rows as u32;
-        let per32 = per_block as i32;
-        // SAFETY: as above; each output row of each token is owned by one warp.
-        unsafe {
-            self.launch(
-                "moe_down_tokens",
-                &self.k.moe_down_tokens,
-                launch,
-                &mut [
-                    arg(dims),
-                    arg(&d),
-                    arg(&sd),
-                    arg(&act),
-                    arg(&ids),
-                    arg(&weights),
-                    arg(&tokens32),
-                    arg(&per32),
-                    arg(&x),
-                ],
-            )
-        }?;
-        Ok(())
+        // The routing is two launches back by now.
+        self.moe_down_launch(layer, dims, act, ids, weights, x, tokens, true)
     }
 
-    /// `moe_down` for one token: every slot's down projection, weighted, added to the residual
-    /// row `x`.
+    /// `moe_down` for `tokens` rows: every slot's down projection, weighted, added to the
+    /// residual rows `x`; `routed_early` when the routing was written two launches back.
+    #[allow(clippy::too_many_arguments)]
     fn moe_down_launch(
         &self,
         layer: &weights::DeviceLayer,
@@ -635,16 +604,25 @@ impl CudaBackend {
         ids: u64,
         weights: u64,
         x: u64,
+        tokens: usize,
+        routed_early: bool,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        // The blocks spread over every SM with the floor of `down_smem`.
+        // One token's blocks spread over every SM with the floor of `down_smem`; several tokens'
+        // run in waves, and three blocks to an SM make fewer of them.
+        let smem = if tokens == 1 {
+            self.down_smem
+        } else {
+            moe_down_staged_bytes(c)
+        };
         let blocks =
             c.hidden_size
                 .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
-        let launch = cfg(blocks, 1, MATVEC_THREADS, self.down_smem);
-        // SAFETY: act, ids and weights hold one token's rows; each output row is owned by one
-        // warp.
+        let mut launch = cfg(blocks, 1, MATVEC_THREADS, smem);
+        launch.grid_dim.2 = tokens as u32;
+        let routed_early = i32::from(routed_early);
+        // SAFETY: act, ids and weights hold `tokens` rows; each output row is owned by one warp.
         unsafe {
             self.launch(
                 "moe_down",
@@ -658,6 +636,7 @@ impl CudaBackend {
                     arg(&ids),
                     arg(&weights),
                     arg(&x),
+                    arg(&routed_early),
                 ],
             )
         }?;

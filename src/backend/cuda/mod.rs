@@ -60,7 +60,7 @@ const MMA_BLOCKS_PER_SM: usize = 2;
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
 const DOWN_ROWS_PER_WARP: usize = 1;
-/// Most tokens a block of `moe_gate_up_tokens`/`moe_down_tokens` takes (MOE_TOKENS_PER_BLOCK).
+/// Most tokens a block of `moe_gate_up_tokens` takes (MOE_TOKENS_PER_BLOCK).
 const MOE_TOKENS_PER_BLOCK: usize = 8;
 /// Most context splits of attention decode (flash-decoding); a split covers whole rounds of its
 /// warps' tiles, at least 64 positions.
@@ -464,7 +464,7 @@ fn staged_floats_bits(cols: usize, bits: usize) -> usize {
     floats.next_multiple_of(4)
 }
 
-/// How the batched MoE kernels split `tokens` over grid rows: (tokens per block, rows). A block
+/// How `moe_gate_up_tokens` splits `tokens` over grid rows: (tokens per block, rows). A block
 /// takes at most MOE_TOKENS_PER_BLOCK, and at most as many as `budget` bytes of shared memory
 /// stage at `per_token` bytes each; the tokens are spread evenly over the rows.
 fn moe_token_blocks(tokens: usize, per_token: usize, budget: usize) -> (usize, usize) {
@@ -539,7 +539,6 @@ struct Kernels {
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
     moe_gate_up_tokens: CudaFunction,
-    moe_down_tokens: CudaFunction,
     argmax_partial: CudaFunction,
     argmax_final: CudaFunction,
     sample_token: CudaFunction,
@@ -800,7 +799,6 @@ impl CudaBackend {
             moe_gate_up: get("moe_gate_up")?,
             moe_down: get("moe_down")?,
             moe_gate_up_tokens: get("moe_gate_up_tokens")?,
-            moe_down_tokens: get("moe_down_tokens")?,
             argmax_partial: get("argmax_partial")?,
             argmax_final: get("argmax_final")?,
             sample_token: get("sample_token")?,
@@ -824,7 +822,6 @@ impl CudaBackend {
             &k.moe_gate_up,
             &k.moe_down,
             &k.moe_gate_up_tokens,
-            &k.moe_down_tokens,
             &k.deltanet_step,
             &k.gemm_q,
             &k.gemm_q_grouped,
@@ -1661,7 +1658,6 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "moe_gate_up",
             "moe_down",
             "moe_gate_up_tokens",
-            "moe_down_tokens",
             "moe_route",
             "moe_group",
         ],
@@ -1712,11 +1708,9 @@ mod tests {
         assert_eq!(moe_token_blocks(5, 2_000, 1_000), (1, 5));
         // The full-size model's 4-bit staging: 8 tokens in one row of two blocks per SM.
         let c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
-        let down = 4
-            * (staged_floats_bits(c.moe_intermediate_size * c.num_experts_per_tok, 4)
-                + staged_floats_bits(c.shared_expert_intermediate_size, 4));
-        assert_eq!(down, 4 * (2304 + 288));
-        assert_eq!(moe_token_blocks(8, down, 114 * 1024), (8, 1));
+        let gate_up = 4 * staged_floats_bits(c.hidden_size, 4);
+        assert_eq!(gate_up, 4 * (1024 + 128));
+        assert_eq!(moe_token_blocks(8, gate_up, 114 * 1024), (8, 1));
         assert_eq!(staged_floats_bits(2048, 8), 2176);
         assert_eq!(staged_floats_bits(2048, 16), 2048);
     }

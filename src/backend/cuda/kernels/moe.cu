@@ -9,8 +9,9 @@
 // back) before waiting for the router logits.
 //
 // Several tokens (decode batches, prefill without tensor cores) take four launches: the same
-// router launch, moe_route once per token, then moe_gate_up_tokens and moe_down_tokens, whose
-// blocks each take several tokens in turn.
+// router launch, moe_route once per token, then moe_gate_up_tokens, whose blocks each take
+// several tokens in turn, and moe_down with a grid row per token, which can request its routed
+// rows before its wait (the routing is two launches back).
 //
 // Slots 0..top_k-1 are routed experts, slot top_k is the shared expert, whose weight is
 // sigmoid(shared_expert_gate · x); moe_down folds each slot's weight into its staged
@@ -374,16 +375,32 @@ __device__ void down_shared(const Weight& w, const float* xs, int r0, Pass<DOWN_
     for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) out[i] += warp_sum(acc.total[i]);
 }
 
+__device__ __forceinline__ void down_first_pass(const MoeDims& d, const Weight& down, const int* ids, int r0,
+                                                Pass<DOWN_ROWS_PER_WARP, DOWN_PASS>& pass) {
+    switch (down.bits) {
+        case 4: down_pass<4>(d, down, ids, r0, 0, threadIdx.x & 31, pass); break;
+        case 8: down_pass<8>(d, down, ids, r0, 0, threadIdx.x & 31, pass); break;
+        default: down_pass<16>(d, down, ids, r0, 0, threadIdx.x & 31, pass); break;
+    }
+}
+
 // residual[r] += sum over routed slots of weight[slot] * (down_e · act[slot])[r]
 //              + weight[shared] * (shared_down · act[shared])[r].
 // down: routed experts stacked [experts * hidden, intermediate]; shared_down: [hidden, shared_intermediate].
-// One token. Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP)). Shared memory: 64 + staged_floats(top_k *
-// intermediate) + staged_floats(shared_intermediate) floats.
+// Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP), 1, tokens). Shared memory: 64 + staged_floats(top_k *
+// intermediate) + staged_floats(shared_intermediate) floats. routed_early: the routing was
+// written two launches back (moe_route, for several tokens), so the routed rows are requested
+// before the wait; else by the previous kernel (moe_gate_up), and after it.
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
-                                                           float* residual) {
+                                                           float* residual, int routed_early) {
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
+    const size_t token = blockIdx.z;
+    act += token * act_width(d);
+    ids_in += token * (d.top_k + 1);
+    weights_in += token * (d.top_k + 1);
+    residual += token * d.hidden;
     const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * DOWN_ROWS_PER_WARP;
     // The shared expert's rows do not depend on the routing: they go out first.
     Pass<DOWN_ROWS_PER_WARP, 1> shared_pass;
@@ -397,15 +414,12 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
 #pragma unroll
     for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
         prior[i] = (threadIdx.x & 31) == 0 && r0 + i < d.hidden ? residual[r0 + i] : 0.0f;
-    wait_for_previous_kernel();
     // The routed rows' first pass goes out as soon as the routing is known (read from L2 by each
     // lane), while the activations are staged.
     Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> routed_pass;
-    switch (down.bits) {
-        case 4: down_pass<4>(d, down, ids_in, r0, 0, threadIdx.x & 31, routed_pass); break;
-        case 8: down_pass<8>(d, down, ids_in, r0, 0, threadIdx.x & 31, routed_pass); break;
-        default: down_pass<16>(d, down, ids_in, r0, 0, threadIdx.x & 31, routed_pass); break;
-    }
+    if (routed_early) down_first_pass(d, down, ids_in, r0, routed_pass);
+    wait_for_previous_kernel();
+    if (!routed_early) down_first_pass(d, down, ids_in, r0, routed_pass);
     const int stride = max(d.intermediate, d.shared_intermediate);
     float* routed_xs = smem + 64;
     float* shared_xs = routed_xs + staged_floats(d.intermediate * d.top_k);
@@ -436,102 +450,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
 #pragma unroll
         for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
             if (r0 + i < d.hidden) residual[r0 + i] = prior[i] + out[i];
-}
-
-template <int BITS>
-__device__ void stage_down_tokens(const MoeDims& d, const float* act, const float* weights_in, int2 tokens,
-                                  float* xs, int per) {
-    const int stride = max(d.intermediate, d.shared_intermediate);
-    for (int i = threadIdx.x >> 5; i < tokens.y; i += MOE_WARPS) {
-        const size_t t = tokens.x + i;
-        const StageSource src = {act + t * act_width(d), stride, d.intermediate, d.top_k, weights_in + t * (d.top_k + 1)};
-        stage_by_warp<BITS, MOE_WARPS>(src, nullptr, 0.0f, xs + (size_t)i * per);
-    }
-}
-
-template <int BITS>
-__device__ void stage_shared_tokens(const MoeDims& d, const float* act, const float* weights_in, int2 tokens,
-                                    float* xs, int per) {
-    for (int i = threadIdx.x >> 5; i < tokens.y; i += MOE_WARPS) {
-        const size_t t = tokens.x + i;
-        const StageSource src = {act + t * act_width(d) + (size_t)d.top_k * max(d.intermediate, d.shared_intermediate),
-                                 0, d.shared_intermediate, 1, weights_in + t * (d.top_k + 1) + d.top_k};
-        stage_by_warp<BITS, MOE_WARPS>(src, nullptr, 0.0f, xs + (size_t)i * per);
-    }
-}
-
-template <int BITS, int SHARED_BITS>
-__device__ void down_tokens(const MoeDims& d, const Weight& down, const Weight& shared_down, const float* act,
-                            const int* ids, const float* weights_in, int2 tokens, float* residual, float* smem) {
-    const int lane = threadIdx.x & 31;
-    const int r0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * DOWN_ROWS_PER_WARP;
-    // The shared expert's rows serve every token; the routing (moe_route's, two launches back) and
-    // the residual rows (three back) can be read before the wait, and the first token's routed
-    // rows requested.
-    Pass<DOWN_ROWS_PER_WARP, 1> shared_pass;
-    down_shared_prefetch<SHARED_BITS>(shared_down, r0, shared_pass);
-    const int* token_ids = ids + (size_t)tokens.x * (d.top_k + 1);
-    float prior[DOWN_ROWS_PER_WARP];
-#pragma unroll
-    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
-        prior[i] = lane < tokens.y && r0 + i < d.hidden ? residual[(size_t)(tokens.x + lane) * d.hidden + r0 + i] : 0.0f;
-    Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> pass;
-    down_pass<BITS>(d, down, token_ids, r0, 0, lane, pass);
-    const int routed_per = staged_floats_bits(d.intermediate * d.top_k, BITS);
-    const int shared_per = staged_floats_bits(d.shared_intermediate, SHARED_BITS);
-    float* routed_xs = smem;
-    float* shared_xs = smem + (size_t)tokens.y * routed_per;
-    // The activations: moe_gate_up_tokens, the previous launch.
-    wait_for_previous_kernel();
-    stage_down_tokens<BITS>(d, act, weights_in, tokens, routed_xs, routed_per);
-    stage_shared_tokens<SHARED_BITS>(d, act, weights_in, tokens, shared_xs, shared_per);
-    __syncthreads();
-    for (int t = 0; t < tokens.y; ++t) {
-        const bool more = t + 1 < tokens.y;
-        Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> next;
-        if (more) down_pass<BITS>(d, down, token_ids + (t + 1) * (d.top_k + 1), r0, 0, lane, next);
-        float out[DOWN_ROWS_PER_WARP] = {};
-        down_routed<BITS>(d, down, token_ids + t * (d.top_k + 1), routed_xs + (size_t)t * routed_per, r0, pass, out);
-        // A copy: a row of more than one pass reloads it.
-        Pass<DOWN_ROWS_PER_WARP, 1> shared_rows = shared_pass;
-        down_shared<SHARED_BITS>(shared_down, shared_xs + (size_t)t * shared_per, r0, shared_rows, out);
-#pragma unroll
-        for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i) {
-            const float p = __shfl_sync(0xffffffffu, prior[i], t);
-            if (lane == 0 && r0 + i < d.hidden) residual[(size_t)(tokens.x + t) * d.hidden + r0 + i] = p + out[i];
-        }
-        if (more) pass = next;
-    }
-}
-
-template <int BITS>
-__device__ void down_tokens_shared_bits(const MoeDims& d, const Weight& down, const Weight& shared_down,
-                                        const float* act, const int* ids, const float* weights_in, int2 tokens,
-                                        float* residual, float* smem) {
-    switch (shared_down.bits) {
-        case 4: down_tokens<BITS, 4>(d, down, shared_down, act, ids, weights_in, tokens, residual, smem); break;
-        case 8: down_tokens<BITS, 8>(d, down, shared_down, act, ids, weights_in, tokens, residual, smem); break;
-        default: down_tokens<BITS, 16>(d, down, shared_down, act, ids, weights_in, tokens, residual, smem); break;
-    }
-}
-
-// residual[t] += the weighted down projections of token t's slots (as moe_down) for the tokens
-// of this block, ids and weights from moe_route. Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP),
-// 1, ceil(tokens / per_block)), 256 threads; at most 32 tokens per block (a lane holds each
-// one's residual rows). Shared memory: per_block * (staged_floats_bits(top_k * intermediate,
-// down bits) + staged_floats_bits(shared_intermediate, shared bits)) floats.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_down_tokens(MoeDims d, Weight down, Weight shared_down,
-                                                                  const float* act, const int* ids_in,
-                                                                  const float* weights_in, int tokens, int per_block,
-                                                                  float* residual) {
-    TRACE_BLOCK();
-    extern __shared__ __align__(16) float smem[];
-    const int2 t = block_tokens(tokens, per_block);
-    switch (down.bits) {
-        case 4: down_tokens_shared_bits<4>(d, down, shared_down, act, ids_in, weights_in, t, residual, smem); break;
-        case 8: down_tokens_shared_bits<8>(d, down, shared_down, act, ids_in, weights_in, t, residual, smem); break;
-        default: down_tokens_shared_bits<16>(d, down, shared_down, act, ids_in, weights_in, t, residual, smem); break;
-    }
 }
 
 // Each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot top_k is the
