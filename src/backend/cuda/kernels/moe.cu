@@ -97,7 +97,7 @@ __device__ void routing_weights(const MoeDims& d, const float* logits, const int
 }
 
 // Several tokens at once: a token's rows of the residual stream, router logits, activations and
-// routing follow each other at these widths (moe_router_shared: blockIdx.z is the token).
+// routing follow each other at these widths (moe_router_shared, moe_down: blockIdx.z is the token).
 __device__ __forceinline__ int act_width(const MoeDims& d) {
     return (d.top_k + 1) * max(d.intermediate, d.shared_intermediate);
 }
