@@ -494,11 +494,12 @@ impl CudaBackend {
                 ],
             )
         }?;
+        let routed_blocks = gate_up_blocks(c.moe_intermediate_size) as u32;
         if tokens > 1 {
-            return self.moe_tokens(layer, &dims, b, x, tokens);
+            return self.moe_tokens(layer, &dims, b, x, tokens, routed_blocks);
         }
         let launch = cfg(
-            gate_up_blocks(c.moe_intermediate_size) as u32,
+            routed_blocks,
             c.num_experts_per_tok as u32,
             MATVEC_THREADS,
             smem,
@@ -527,7 +528,7 @@ impl CudaBackend {
 
     /// The routed experts of the MoE block for several tokens (after `moe_router_shared`):
     /// each token routed once (`moe_route`), then `moe_gate_up_tokens`, whose blocks take
-    /// several tokens each, and `moe_down`.
+    /// several tokens each (`routed_blocks` blocks along x, as `moe_gate_up`), and `moe_down`.
     fn moe_tokens(
         &self,
         layer: &weights::DeviceLayer,
@@ -535,6 +536,7 @@ impl CudaBackend {
         b: &MoeBuffers,
         x: u64,
         tokens: usize,
+        routed_blocks: u32,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (router, act, ids, weights) = (b.router_logits, b.act, b.ids, b.weights);
@@ -560,10 +562,8 @@ impl CudaBackend {
         let (g, u) = (layer.gate.desc(s), layer.up.desc(s));
         let per_token = 4 * staged_floats_bits(c.hidden_size, layer.gate.bits);
         let (per_block, rows) = moe_token_blocks(tokens, per_token, self.moe_tokens_smem);
-        let warps = MATVEC_THREADS as usize / 32;
         let mut launch = cfg(
-            c.moe_intermediate_size
-                .div_ceil(warps * GATE_UP_ROWS_PER_WARP) as u32,
+            routed_blocks,
             c.num_experts_per_tok as u32,
             MATVEC_THREADS,
             (per_block * per_token) as u32,

@@ -674,7 +674,7 @@ pub struct CudaBackend {
     num_sms: u32,
     /// Dynamic shared memory `moe_down` asks for (see `moe_down_smem`).
     down_smem: u32,
-    /// Dynamic shared memory a block of the batched MoE kernels may take: two to an SM.
+    /// Dynamic shared memory a block of `moe_gate_up_tokens` may take: two to an SM.
     moe_tokens_smem: usize,
     /// Chunk activations of the prefill path, allocated with the backend so that the first
     /// prompt does not pay for them.

@@ -454,8 +454,9 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
 
 // Each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot top_k is the
 // shared expert, id -1, weight its sigmoid gate), the sum of `splits` partial sums `split_stride`
-// floats apart (prefill's gemm_q split k; 1 for decode batches). One block per token, of one warp
-// (prefill) or 256 threads (decode batches, where it is on the critical path).
+// floats apart (prefill's gemm_q split k; 1 for the MoE kernels' several tokens). One block per
+// token, of one warp (prefill's grouped experts) or 256 threads (ahead of moe_gate_up_tokens,
+// where it is on a decode batch's critical path).
 extern "C" __global__ void __launch_bounds__(256) moe_route(MoeDims d, const float* router_logits, int splits,
                                                           size_t split_stride, int* ids, float* weights) {
     __shared__ float logits[MAX_EXPERTS + 1];
