@@ -13,6 +13,7 @@ use std::sync::Arc;
 use lily::backend::cpu::CpuBackend;
 use lily::backend::cuda::{CudaBackend, CudaOptions, DEFAULT_PREFILL_CHUNK};
 use lily::backend::{Backend, DeviceDraw, LogitsFor, argmax};
+use lily::checkpoint::DType;
 use lily::config::ModelConfig;
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
 use lily::model::demo::{demo_config_json, random_model, random_safetensors};
@@ -342,8 +343,7 @@ fn tensor_core_errors(dir: &Path, label: &str) -> Vec<String> {
             let got = gpu.matmul_q(w, &x, tokens, splits).unwrap();
             let err = relative_error(&got, &want);
             worst = worst.max(err);
-            // fp16 inputs and weights round at 2^-11; the GPU also keeps scales and biases in
-            // bf16.
+            // fp16 inputs and weights (scale * q + bias in fp16) round at 2^-11.
             if err >= 5e-3 {
                 failures.push(format!(
                     "{label}, {}x{}, {splits} splits: relative error {err:.2e}",
@@ -359,6 +359,69 @@ fn tensor_core_errors(dir: &Path, label: &str) -> Vec<String> {
         "{label}: the checkpoint has quantised matrices"
     );
     failures
+}
+
+/// The decode mat-vec of every quantised matrix against the f64 product of its dequantised
+/// weights, for checkpoints whose scales and biases are fp16 (made from an fp16 model) and bf16:
+/// the GPU keeps either exactly. The integer dot rounds x at 2^-16 of each 32-value chunk's
+/// largest magnitude, so its error stays near 1e-5; fp16 scales rounded to bf16 on the way
+/// would put it near 1e-3.
+#[test]
+fn decode_mat_vec_keeps_fp16_and_bf16_scales_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut failures = Vec::new();
+    for dtype in ["float16", "bfloat16"] {
+        let source = random_checkpoint_of(&tmp.path().join(dtype), &[], dtype);
+        for (bits, group_size) in [(4, 64), (8, 32)] {
+            let out = tmp.path().join(format!("{dtype}-q{bits}-g{group_size}"));
+            convert_to(&source, &out, bits, group_size);
+            let model = Model::load(&out).unwrap();
+            let gpu = cuda(&model, 1);
+            let mut seed = 0x2545_F491_4F6C_DD1Du64;
+            let (mut checked, mut worst) = (0, 0.0f32);
+            for w in model.matrices() {
+                let Storage::Quantized(q) = &w.storage else {
+                    continue;
+                };
+                let stored = if dtype == "float16" {
+                    DType::F16
+                } else {
+                    DType::BF16
+                };
+                assert_eq!(q.scale_dtype, stored, "scales as {dtype} models store them");
+                let x: Vec<f32> = (0..w.cols)
+                    .map(|_| {
+                        seed = seed
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+                    })
+                    .collect();
+                let mut dense = vec![0.0f32; w.rows * w.cols];
+                w.rows_to_f32(0, &mut dense);
+                let want: Vec<f32> = dense
+                    .chunks_exact(w.cols)
+                    .map(|row| {
+                        row.iter()
+                            .zip(&x)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>() as f32
+                    })
+                    .collect();
+                let err = relative_error(&gpu.mat_vec(w, &x).unwrap(), &want);
+                worst = worst.max(err);
+                checked += 1;
+            }
+            println!(
+                "{dtype} scales, {bits}-bit g{group_size}: {checked} matrices, worst relative error {worst:.2e}"
+            );
+            assert!(checked > 0, "the checkpoint has quantised matrices");
+            if worst > 1e-4 {
+                failures.push(format!("{dtype} {bits}-bit g{group_size}: {worst:.2e}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "above 1e-4: {failures:?}");
 }
 
 /// A prompt longer than a prefill chunk (2,500 tokens: three chunks of up to 1,024, the last
@@ -518,11 +581,16 @@ fn routing_with_a_short_last_run_of_experts_matches_the_cpu() {
 }
 
 /// The demo config with `fields` set, bf16 (converted to bf16 scales and biases, as real
-/// checkpoints are: the GPU keeps them in bf16, f32 ones would be rounded there and not on the
-/// CPU), on random weights: an f32 checkpoint directory `lily convert` takes.
+/// checkpoints are), on random weights: an f32 checkpoint directory `lily convert` takes.
 fn random_checkpoint(dir: &Path, fields: &[(&str, usize)]) -> PathBuf {
+    random_checkpoint_of(dir, fields, "bfloat16")
+}
+
+/// As `random_checkpoint`, its `torch_dtype` (what `lily convert` casts scales and biases to)
+/// set to `dtype`.
+fn random_checkpoint_of(dir: &Path, fields: &[(&str, usize)], dtype: &str) -> PathBuf {
     let mut config = demo_config_with(fields);
-    config["torch_dtype"] = "bfloat16".into();
+    config["torch_dtype"] = dtype.into();
     let parsed = ModelConfig::from_json_str(&config.to_string()).unwrap();
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();

@@ -63,7 +63,7 @@ impl CudaBackend {
         );
         ensure!(splits > 0, "a product runs in at least one split");
         let s = &self.stream;
-        let weight = DeviceWeight::upload(s, &[w])?;
+        let weight = DeviceWeight::upload(s, self.scales, &[w])?;
         let x_dev = s.clone_htod(x)?;
         let x16 = s.alloc_zeros::<u16>(x.len())?;
         let xscale = s.alloc_zeros::<f32>(tokens)?;

@@ -125,13 +125,18 @@ fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
 /// `lily kernels --check`: compiles every module without the cache; reports and fails on errors.
 pub fn check_all() -> Result<()> {
     let mut failed = Vec::new();
-    // Every module as loaded, and with the block records of `lily bench --trace` compiled in
-    // (at a made-up address: nothing runs).
+    // Every module as loaded (scales and biases in bf16, and in fp16), and with the block
+    // records of `lily bench --trace` compiled in (at a made-up address: nothing runs).
+    let f16_scales = ["LILY_SCALES_F16".to_string()];
     let traced = [
         "LILY_TRACE_BUF=0x10000ull".to_string(),
         "LILY_TRACE_CAP=1".to_string(),
     ];
-    for (defines, variant) in [(&[][..], ""), (&traced[..], " (traced)")] {
+    for (defines, variant) in [
+        (&[][..], ""),
+        (&f16_scales[..], " (fp16 scales)"),
+        (&traced[..], " (traced)"),
+    ] {
         for (name, src) in MODULES {
             let start = Instant::now();
             match compile(name, src, false, defines) {

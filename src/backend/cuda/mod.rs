@@ -40,10 +40,10 @@ use cudarc::driver::{
 };
 
 use self::decode::StepSeqs;
-use self::weights::{DeviceModel, DeviceWeight, WeightFormat, ptr};
+use self::weights::{DeviceModel, DeviceWeight, ScaleFormat, WeightFormat, ptr};
 use super::{Backend, DeviceDraw, LogitsFor};
 use crate::config::{LayerKind, ModelConfig};
-use crate::model::Model;
+use crate::model::{Matrix, Model};
 
 /// The token count of a decode step's launches (kernels that also take a prefill chunk).
 const ONE_TOKEN: i32 = 1;
@@ -665,6 +665,8 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     k: Kernels,
     model: DeviceModel,
+    /// The format of the quantised weights' scales and biases, which the kernels were compiled for.
+    scales: ScaleFormat,
     scratch: Scratch,
     slots: Mutex<Vec<Slot>>,
     batch: Mutex<BatchSteps>,
@@ -709,12 +711,13 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
 impl CudaBackend {
     /// Uploads a loaded model to device 0.
     pub fn new(model: &Model, opts: CudaOptions) -> Result<Self> {
-        let (ctx, stream, k, fill) = Self::init()?;
+        let scales = ScaleFormat::for_model(model);
+        let (ctx, stream, k, fill) = Self::init(scales)?;
         let bar = indicatif::ProgressBar::new(model.layers.len() as u64).with_message("uploading");
-        let weights = DeviceModel::upload(&stream, model, |i| bar.set_position(i as u64))?;
+        let weights = DeviceModel::upload(&stream, model, scales, |i| bar.set_position(i as u64))?;
         bar.finish_and_clear();
         drop(fill);
-        Self::assemble(model.config.clone(), ctx, stream, k, weights, opts)
+        Self::assemble(model.config.clone(), ctx, stream, k, weights, scales, opts)
     }
 
     /// Random weights of `config`'s shapes, made on the device (benchmarks).
@@ -723,13 +726,16 @@ impl CudaBackend {
         format: WeightFormat,
         opts: CudaOptions,
     ) -> Result<Self> {
-        let (ctx, stream, k, fill) = Self::init()?;
+        // The synthetic weights' scales are generated as bf16.
+        let scales = ScaleFormat::Bf16;
+        let (ctx, stream, k, fill) = Self::init(scales)?;
         let weights = DeviceModel::synthetic(&stream, &fill, config, format)?;
         stream.synchronize()?;
-        Self::assemble(config.clone(), ctx, stream, k, weights, opts)
+        Self::assemble(config.clone(), ctx, stream, k, weights, scales, opts)
     }
 
-    fn init() -> Result<(Arc<CudaContext>, Arc<CudaStream>, Kernels, Fill)> {
+    /// The context, stream and kernels (compiled for scales and biases in `scales`).
+    fn init(scales: ScaleFormat) -> Result<(Arc<CudaContext>, Arc<CudaStream>, Kernels, Fill)> {
         let ctx = CudaContext::new(0).context("no CUDA device (is the NVIDIA driver loaded?)")?;
         // SAFETY: lily uses one stream, so cudarc's cross-stream event tracking is not needed
         // (and its events would get in the way of graph capture).
@@ -757,6 +763,7 @@ impl CudaBackend {
                     ),
                 ]
             })
+            .chain(scales.define().map(String::from))
             .collect();
         let block_trace = block_trace.map(Mutex::new);
         let mut functions = std::collections::HashMap::new();
@@ -850,6 +857,7 @@ impl CudaBackend {
         stream: Arc<CudaStream>,
         k: Kernels,
         model: DeviceModel,
+        scales: ScaleFormat,
         opts: CudaOptions,
     ) -> Result<Self> {
         let c = &config;
@@ -948,6 +956,7 @@ impl CudaBackend {
             stream,
             k,
             model,
+            scales,
             scratch,
             slots: Mutex::new(slots),
             batch: Mutex::new(batch),
@@ -1182,6 +1191,36 @@ impl CudaBackend {
             )
         }?;
         Ok(())
+    }
+
+    /// W x for one token by the decode mat-vec (the integer dot for 4- and 8-bit weights), W
+    /// and x uploaded: for checks against the dequantised product.
+    pub fn mat_vec(&self, w: &Matrix, x: &[f32]) -> Result<Vec<f32>> {
+        ensure!(
+            x.len() == w.cols,
+            "x holds {} values, not the matrix's {} columns",
+            x.len(),
+            w.cols
+        );
+        ensure!(
+            staged_bytes(&[w.cols]) as usize <= MAX_DYNAMIC_SHARED_BYTES,
+            "a row of {} columns is too wide to stage",
+            w.cols
+        );
+        let s = &self.stream;
+        let weight = DeviceWeight::upload(s, self.scales, &[w])?;
+        let x_dev = s.clone_htod(x)?;
+        let y = s.alloc_zeros::<f32>(w.rows)?;
+        self.matvec(
+            "mat_vec",
+            &weight,
+            ptr(&x_dev, s),
+            None,
+            ptr(&y, s),
+            false,
+            1,
+        )?;
+        Ok(s.clone_dtoh(&y)?)
     }
 
     /// One decode step for `seqs`, ending as `end`, captured as a graph (not launched).

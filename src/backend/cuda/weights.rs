@@ -4,8 +4,9 @@
 //! them all: the DeltaNet input projections (qkv | z | b | a), the attention projections
 //! (q+gate | k | v) and the router with the shared-expert gate. Routed experts are stacked:
 //! gate and up `[experts * intermediate, hidden]`, down `[experts * hidden, intermediate]`.
-//! Dense weights are stored as bf16, quantised ones in MLX's affine format with bf16 scales and
-//! biases; small vectors (norm scales, conv taps, gates) as f32.
+//! Dense weights are stored as bf16, quantised ones in MLX's affine format with 16-bit scales and
+//! biases (bf16, or fp16 for checkpoints that store them so: [`ScaleFormat`]); small vectors
+//! (norm scales, conv taps, gates) as f32.
 
 use std::sync::Arc;
 
@@ -15,6 +16,114 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use crate::checkpoint::{DType, convert_to_f32};
 use crate::config::ModelConfig;
 use crate::model::{Matrix, Mixer, Model, QuantizedStorage, Storage};
+
+/// The 16-bit format of quantised weights' scales and biases on the device. The kernels read one
+/// format, fixed when they are compiled (`LILY_SCALES_F16`), so one model uses one for all its
+/// weights: the one that holds the checkpoint's values exactly, or nearest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleFormat {
+    Bf16,
+    F16,
+}
+
+impl ScaleFormat {
+    /// The format for `model`'s quantised matrices: their own when all store bf16 (as MLX-LM
+    /// writes bf16 models) or all fp16; otherwise (f32, or mixed) the one whose largest
+    /// relative rounding error over every scale and bias is smaller.
+    pub fn for_model(model: &Model) -> Self {
+        let stored: Vec<(DType, [&[u8]; 2])> = model
+            .matrices()
+            .into_iter()
+            .filter_map(|m| match &m.storage {
+                Storage::Quantized(q) => {
+                    Some((q.scale_dtype, [q.scales.as_slice(), q.biases.as_slice()]))
+                }
+                Storage::Dense { .. } => None,
+            })
+            .collect();
+        Self::for_stored(&stored)
+    }
+
+    /// The format for quantised matrices whose scales and biases are stored as `stored`: per
+    /// matrix, their dtype and their bytes.
+    fn for_stored(stored: &[(DType, [&[u8]; 2])]) -> Self {
+        if stored.iter().all(|(dtype, _)| *dtype == DType::BF16) {
+            return Self::Bf16;
+        }
+        if stored.iter().all(|(dtype, _)| *dtype == DType::F16) {
+            return Self::F16;
+        }
+        let (mut bf16_worst, mut f16_worst) = (0.0f32, 0.0f32);
+        let mut values = Vec::new();
+        for (dtype, parts) in stored {
+            for bytes in parts {
+                values.resize(bytes.len() / dtype.size(), 0.0);
+                convert_to_f32(*dtype, bytes, &mut values);
+                bf16_worst = bf16_worst.max(Self::Bf16.worst_rounding(&values));
+                f16_worst = f16_worst.max(Self::F16.worst_rounding(&values));
+            }
+        }
+        if f16_worst < bf16_worst {
+            Self::F16
+        } else {
+            Self::Bf16
+        }
+    }
+
+    /// The define the kernels are compiled with for this format.
+    pub fn define(self) -> Option<&'static str> {
+        match self {
+            Self::Bf16 => None,
+            Self::F16 => Some("LILY_SCALES_F16"),
+        }
+    }
+
+    fn bits(self, v: f32) -> u16 {
+        match self {
+            Self::Bf16 => half::bf16::from_f32(v).to_bits(),
+            Self::F16 => half::f16::from_f32(v).to_bits(),
+        }
+    }
+
+    fn value(self, bits: u16) -> f32 {
+        match self {
+            Self::Bf16 => half::bf16::from_bits(bits).to_f32(),
+            Self::F16 => half::f16::from_bits(bits).to_f32(),
+        }
+    }
+
+    /// The largest |rounded - v| / |v| over `values` (infinite where the format overflows).
+    fn worst_rounding(self, values: &[f32]) -> f32 {
+        values
+            .iter()
+            .filter(|v| **v != 0.0)
+            .map(|&v| ((self.value(self.bits(v)) - v) / v).abs())
+            .fold(
+                0.0,
+                |a, e| if e.is_nan() { f32::INFINITY } else { a.max(e) },
+            )
+    }
+
+    /// `bytes` (values of `dtype`) in this format, appended to `out`: copied when `dtype` is
+    /// this format, else rounded to nearest.
+    fn encode(self, dtype: DType, bytes: &[u8], out: &mut Vec<u16>) {
+        let same = matches!(
+            (self, dtype),
+            (Self::Bf16, DType::BF16) | (Self::F16, DType::F16)
+        );
+        if same {
+            out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]])),
+            );
+            return;
+        }
+        let mut f = vec![0.0f32; bytes.len() / dtype.size()];
+        convert_to_f32(dtype, bytes, &mut f);
+        out.extend(f.iter().map(|v| self.bits(*v)));
+    }
+}
 
 /// A weight matrix on the device (see `struct Weight` in kernels/common.cuh).
 pub struct DeviceWeight {
@@ -50,9 +159,13 @@ pub fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 
 impl DeviceWeight {
     /// Uploads the row-concatenation of `parts` as one device matrix. Quantised parts that share
-    /// one setting stay in MLX's format (scales and biases as bf16); dense parts, or parts
+    /// one setting stay in MLX's format (scales and biases in `scales`); dense parts, or parts
     /// quantised differently from each other, are stored as bf16.
-    pub fn upload(stream: &Arc<CudaStream>, parts: &[&Matrix]) -> Result<Self> {
+    pub fn upload(
+        stream: &Arc<CudaStream>,
+        scales: ScaleFormat,
+        parts: &[&Matrix],
+    ) -> Result<Self> {
         let cols = parts[0].cols;
         ensure!(
             parts.iter().all(|m| m.cols == cols),
@@ -69,7 +182,7 @@ impl DeviceWeight {
         if let Some(qs) = quantized
             && qs.iter().all(|q| q.spec == qs[0].spec)
         {
-            return Self::upload_quantized(stream, &qs, rows, cols);
+            return Self::upload_quantized(stream, scales, &qs, rows, cols);
         }
         ensure!(
             cols.is_multiple_of(8),
@@ -111,6 +224,7 @@ impl DeviceWeight {
 
     fn upload_quantized(
         stream: &Arc<CudaStream>,
+        format: ScaleFormat,
         parts: &[&QuantizedStorage],
         rows: usize,
         cols: usize,
@@ -131,11 +245,8 @@ impl DeviceWeight {
         let mut biases = Vec::new();
         for q in parts {
             words.extend_from_slice(q.words.as_slice());
-            for (src, dst) in [(&q.scales, &mut scales), (&q.biases, &mut biases)] {
-                let mut f = vec![0.0f32; src.as_slice().len() / q.scale_dtype.size()];
-                convert_to_f32(q.scale_dtype, src.as_slice(), &mut f);
-                dst.extend(f.iter().map(|v| half::bf16::from_f32(*v).to_bits()));
-            }
+            format.encode(q.scale_dtype, q.scales.as_slice(), &mut scales);
+            format.encode(q.scale_dtype, q.biases.as_slice(), &mut biases);
         }
         Ok(Self {
             data: stream.clone_htod(&words)?,
@@ -150,7 +261,7 @@ impl DeviceWeight {
 
     /// Device memory the weight occupies, in bytes.
     pub fn bytes(&self) -> usize {
-        // Scales and biases: one bf16 each per group.
+        // Scales and biases: 16 bits each per group.
         self.data.len() + 2 * 2 * self.scales.as_ref().map_or(0, |s| s.len())
     }
 
@@ -265,30 +376,30 @@ pub struct DeviceModel {
 }
 
 impl DeviceModel {
-    /// Uploads a loaded model, reporting progress per layer through `progress`.
+    /// Uploads a loaded model with its scales in `scales`, reporting progress per layer through
+    /// `progress`.
     pub fn upload(
         stream: &Arc<CudaStream>,
         model: &Model,
+        scales: ScaleFormat,
         mut progress: impl FnMut(usize),
     ) -> Result<Self> {
         let f32s = |v: &[f32]| stream.clone_htod(v);
+        let upload = |parts: &[&Matrix]| DeviceWeight::upload(stream, scales, parts);
         let mut layers = Vec::with_capacity(model.layers.len());
         for (i, l) in model.layers.iter().enumerate() {
             let mixer = match &l.mixer {
                 Mixer::DeltaNet(w) => DeviceMixer::DeltaNet {
-                    in_proj: DeviceWeight::upload(
-                        stream,
-                        &[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a],
-                    )?,
-                    out_proj: DeviceWeight::upload(stream, &[&w.out_proj])?,
+                    in_proj: upload(&[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a])?,
+                    out_proj: upload(&[&w.out_proj])?,
                     conv_w: f32s(&w.conv1d)?,
                     a_log: f32s(&w.a_log)?,
                     dt_bias: f32s(&w.dt_bias)?,
                     norm: f32s(&w.norm)?,
                 },
                 Mixer::Attention(w) => DeviceMixer::Attention {
-                    qkv: DeviceWeight::upload(stream, &[&w.q_proj, &w.k_proj, &w.v_proj])?,
-                    o_proj: DeviceWeight::upload(stream, &[&w.o_proj])?,
+                    qkv: upload(&[&w.q_proj, &w.k_proj, &w.v_proj])?,
+                    o_proj: upload(&[&w.o_proj])?,
                     q_norm: f32s(&w.q_norm)?,
                     k_norm: f32s(&w.k_norm)?,
                 },
@@ -301,21 +412,21 @@ impl DeviceModel {
                 input_norm: f32s(&l.input_norm)?,
                 post_norm: f32s(&l.post_attention_norm)?,
                 mixer,
-                router: DeviceWeight::upload(stream, &[&m.router, &m.shared_expert_gate])?,
-                gate: DeviceWeight::upload(stream, &gates)?,
-                up: DeviceWeight::upload(stream, &ups)?,
-                down: DeviceWeight::upload(stream, &downs)?,
-                shared_gate: DeviceWeight::upload(stream, &[&m.shared_expert.gate])?,
-                shared_up: DeviceWeight::upload(stream, &[&m.shared_expert.up])?,
-                shared_down: DeviceWeight::upload(stream, &[&m.shared_expert.down])?,
+                router: upload(&[&m.router, &m.shared_expert_gate])?,
+                gate: upload(&gates)?,
+                up: upload(&ups)?,
+                down: upload(&downs)?,
+                shared_gate: upload(&[&m.shared_expert.gate])?,
+                shared_up: upload(&[&m.shared_expert.up])?,
+                shared_down: upload(&[&m.shared_expert.down])?,
             });
             progress(i + 1);
         }
         Ok(Self {
-            embed: DeviceWeight::upload(stream, &[&model.embed_tokens])?,
+            embed: upload(&[&model.embed_tokens])?,
             layers,
             final_norm: f32s(&model.final_norm)?,
-            lm_head: DeviceWeight::upload(stream, &[&model.lm_head])?,
+            lm_head: upload(&[&model.lm_head])?,
         })
     }
 
@@ -419,5 +530,92 @@ impl DeviceModel {
             };
         }
         total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes_of(dtype: DType, values: &[f32]) -> Vec<u8> {
+        values
+            .iter()
+            .flat_map(|&v| match dtype {
+                DType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                DType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                DType::F32 => v.to_le_bytes().to_vec(),
+            })
+            .collect()
+    }
+
+    /// The chosen format, and every value as the kernels will read it.
+    fn chosen(stored: &[(DType, Vec<f32>)]) -> (ScaleFormat, Vec<f32>) {
+        let bytes: Vec<(DType, Vec<u8>)> =
+            stored.iter().map(|(d, v)| (*d, bytes_of(*d, v))).collect();
+        let sets: Vec<(DType, [&[u8]; 2])> = bytes
+            .iter()
+            .map(|(d, b)| (*d, [b.as_slice(), b.as_slice()]))
+            .collect();
+        let format = ScaleFormat::for_stored(&sets);
+        let mut bits = Vec::new();
+        for (d, b) in &bytes {
+            format.encode(*d, b, &mut bits);
+        }
+        (format, bits.iter().map(|&b| format.value(b)).collect())
+    }
+
+    /// Values as a dtype stores them.
+    fn stored_as(dtype: DType, values: &[f32]) -> Vec<f32> {
+        let bytes = bytes_of(dtype, values);
+        let mut out = vec![0.0; values.len()];
+        convert_to_f32(dtype, &bytes, &mut out);
+        out
+    }
+
+    #[test]
+    fn scales_keep_the_checkpoints_16_bit_format_exactly() {
+        // Values with more mantissa than bf16 holds, and some outside fp16's range.
+        let values = [0.012_345_679, -0.000_987_654_3, 3.0e-6, 1.5, -77.7];
+        for dtype in [DType::BF16, DType::F16] {
+            let want = stored_as(dtype, &values);
+            let (format, got) = chosen(&[(dtype, want.clone()), (dtype, want.clone())]);
+            let expected = if dtype == DType::BF16 {
+                ScaleFormat::Bf16
+            } else {
+                ScaleFormat::F16
+            };
+            assert_eq!(format, expected);
+            assert_eq!(
+                got,
+                [want.clone(), want].concat(),
+                "{dtype:?} scales changed"
+            );
+        }
+    }
+
+    #[test]
+    fn f32_and_mixed_scales_take_the_format_that_rounds_them_least() {
+        // Ordinary scales: fp16 keeps three more bits.
+        let ordinary = [0.012_345_679, -0.003_141_592_6, 0.25, 1.0e-3];
+        let (format, got) = chosen(&[(DType::F32, ordinary.to_vec())]);
+        assert_eq!(format, ScaleFormat::F16);
+        for (g, v) in got.iter().zip(ordinary) {
+            assert!(((g - v) / v).abs() <= 1.0 / 2048.0, "{g} for {v}");
+        }
+        // Tiny biases fall into fp16's subnormals (and large values past its range): bf16.
+        for odd in [1.0e-7, 1.0e5] {
+            let (format, _) = chosen(&[(DType::F32, vec![0.01, odd])]);
+            assert_eq!(format, ScaleFormat::Bf16, "with {odd}");
+        }
+        // bf16 values inside fp16's normal range are exact in fp16, so a bf16 + fp16 mix stays
+        // exact there.
+        let bf16_part = stored_as(DType::BF16, &[0.0123, -0.5, 2.0]);
+        let f16_part = stored_as(DType::F16, &[0.012_345_679, 0.001]);
+        let (format, got) = chosen(&[
+            (DType::BF16, bf16_part.clone()),
+            (DType::F16, f16_part.clone()),
+        ]);
+        assert_eq!(format, ScaleFormat::F16);
+        assert_eq!(got, [bf16_part, f16_part].concat());
     }
 }

@@ -1,6 +1,7 @@
 // Shared definitions for lily's CUDA kernels: the weight descriptor every mat-vec kernel takes,
 // bf16 conversion, and warp/block reductions. Prepended to every kernel source by the host.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 // NVRTC has no C library headers: the fixed-width types are spelled out.
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
@@ -8,17 +9,31 @@ typedef unsigned long long uint64_t;
 
 typedef __nv_bfloat16 bf16;
 
+// Quantised weights' scales and biases: bf16, or fp16 when the host compiles the kernels with
+// LILY_SCALES_F16 (a checkpoint whose scales are fp16 keeps them exact; see ScaleFormat).
+#ifdef LILY_SCALES_F16
+typedef __half scale_t;
+__device__ __forceinline__ float scale_f32(scale_t v) { return __half2float(v); }
+__device__ __forceinline__ float scale_bits_f32(unsigned short v) { return __half2float(__ushort_as_half(v)); }
+__device__ __forceinline__ scale_t scale_zero() { return __float2half(0.0f); }
+#else
+typedef bf16 scale_t;
+__device__ __forceinline__ float scale_f32(scale_t v) { return __bfloat162float(v); }
+__device__ __forceinline__ float scale_bits_f32(unsigned short v) { return __uint_as_float(((unsigned int)v) << 16); }
+__device__ __forceinline__ scale_t scale_zero() { return __float2bfloat16(0.0f); }
+#endif
+
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
 // A weight matrix [rows, cols] on the device: dense bf16 (bits == 16) or MLX affine-quantised
 // (bits 4 or 8: `data` holds uint32 words, 32/bits values each, first value in the low bits;
-// one bf16 scale and bias per 2^group_shift consecutive inputs of a row; value = scale * q + bias).
+// one scale and bias (scale_t) per 2^group_shift consecutive inputs of a row; value = scale * q + bias).
 struct Weight {
     const void* data;
-    const bf16* scales;
-    const bf16* biases;
+    const scale_t* scales;
+    const scale_t* biases;
     int rows;
     int cols;
     int bits;

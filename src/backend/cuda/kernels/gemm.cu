@@ -102,9 +102,9 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool
     const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0));
 }
-// Copies the aligned 32-bit word holding the bf16 at `global` (scales and biases: 4-byte
-// aligned allocations) to `smem`.
-__device__ __forceinline__ void cp_async_word(uint32_t* smem, const bf16* global) {
+// Copies the aligned 32-bit word holding the 16-bit scale or bias at `global` (4-byte aligned
+// allocations) to `smem`.
+__device__ __forceinline__ void cp_async_word(uint32_t* smem, const scale_t* global) {
     const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
     const void* src = reinterpret_cast<const void*>(reinterpret_cast<size_t>(global) & ~(size_t)3);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
@@ -251,7 +251,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     // copied once, as half 0 (row q / 2), half the copies.
     const bool one_group = w.group_shift >= 6;
     const int w_chunk = tid % CHUNKS, x_block = tid & 7, sb_half = (tid >> 1) & 1;
-    const bf16* sb_base = (tid & 1) ? w.biases : w.scales;
+    const scale_t* sb_base = (tid & 1) ? w.biases : w.scales;
     int x_rows[X_COPIES];
 #pragma unroll
     for (int i = 0; i < X_COPIES; ++i) x_rows[i] = tile_in[(tid >> 3) + i * (GEMM_THREADS / 8)];
@@ -335,8 +335,8 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
                     const int high = (row_parity[m][h] ^ grp) & 1;
                     const uint32_t sw = st.scale_bias[row][hh][0] >> (16 * high);
                     const uint32_t bw = st.scale_bias[row][hh][1] >> (16 * high);
-                    scale[m][h][hh] = __float2half2_rn(bf16_to_f32((uint16_t)sw));
-                    bias[m][h][hh] = __float2half2_rn(bf16_to_f32((uint16_t)bw));
+                    scale[m][h][hh] = __float2half2_rn(scale_bits_f32((uint16_t)sw));
+                    bias[m][h][hh] = __float2half2_rn(scale_bits_f32((uint16_t)bw));
                 }
         }
         // Step j covers inputs 16j .. 16j + 15 of the stage: for 4-bit, words 2 (j % 2) and

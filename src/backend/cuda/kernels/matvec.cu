@@ -45,7 +45,7 @@ extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* tok
             const uint32_t word = static_cast<const uint32_t*>(w.data)[((size_t)row * cols + i) / per_word];
             const uint32_t q = (word >> (w.bits * (i % per_word))) & ((1u << w.bits) - 1u);
             const size_t g = (size_t)row * (cols >> w.group_shift) + (i >> w.group_shift);
-            v = __bfloat162float(w.scales[g]) * (float)q + __bfloat162float(w.biases[g]);
+            v = scale_f32(w.scales[g]) * (float)q + scale_f32(w.biases[g]);
         }
         x[i] = v;
     }
@@ -164,10 +164,10 @@ __device__ __forceinline__ void mma_load(const RowRef& lo, const RowRef& hi, int
         const bool have_lo = in && lo.data != nullptr, have_hi = in && hi.data != nullptr;
         p.lo[j] = have_lo ? load_weights(lo.data + chunk) : make_uint4(0, 0, 0, 0);
         p.hi[j] = have_hi ? load_weights(hi.data + chunk) : make_uint4(0, 0, 0, 0);
-        p.scale_lo[j] = __float2half2_rn(have_lo ? __bfloat162float(lo.scales[g]) : 0.0f);
-        p.bias_lo[j] = __float2half2_rn(have_lo ? __bfloat162float(lo.biases[g]) : 0.0f);
-        p.scale_hi[j] = __float2half2_rn(have_hi ? __bfloat162float(hi.scales[g]) : 0.0f);
-        p.bias_hi[j] = __float2half2_rn(have_hi ? __bfloat162float(hi.biases[g]) : 0.0f);
+        p.scale_lo[j] = __float2half2_rn(have_lo ? scale_f32(lo.scales[g]) : 0.0f);
+        p.bias_lo[j] = __float2half2_rn(have_lo ? scale_f32(lo.biases[g]) : 0.0f);
+        p.scale_hi[j] = __float2half2_rn(have_hi ? scale_f32(hi.scales[g]) : 0.0f);
+        p.bias_hi[j] = __float2half2_rn(have_hi ? scale_f32(hi.biases[g]) : 0.0f);
     }
 }
 

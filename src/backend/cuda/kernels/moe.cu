@@ -326,8 +326,8 @@ __device__ __forceinline__ void down_pass(const MoeDims& d, const Weight& w, con
             p.u[i][j] = valid ? load_weights(reinterpret_cast<const uint4*>(w.data) + row * cps + c) : make_uint4(0, 0, 0, 0);
             if (BITS != 16) {
                 const size_t g = row * groups + ((c * VPC) >> w.group_shift);
-                p.scale[i][j] = valid ? w.scales[g] : __float2bfloat16(0.0f);
-                p.bias[i][j] = valid ? w.biases[g] : __float2bfloat16(0.0f);
+                p.scale[i][j] = valid ? w.scales[g] : scale_zero();
+                p.bias[i][j] = valid ? w.biases[g] : scale_zero();
             }
         }
     }

@@ -266,11 +266,11 @@ __device__ __forceinline__ uint4 load_weights(const uint4* p) {
     return v;
 }
 
-// One weight row: its 16-byte chunks and, when quantised, one bf16 scale and bias per group.
+// One weight row: its 16-byte chunks and, when quantised, one scale and bias per group.
 struct RowRef {
     const uint4* data;  // null: no row (its result is 0)
-    const bf16* scales;
-    const bf16* biases;
+    const scale_t* scales;
+    const scale_t* biases;
 };
 
 __device__ __forceinline__ RowRef row_ref(const Weight& w, int row) {
@@ -293,8 +293,8 @@ __device__ __forceinline__ RowRef row_ref(const Weight& w, int row) {
 template <int R, int U>
 struct Pass {
     uint4 u[R][U];
-    bf16 scale[R][U];
-    bf16 bias[R][U];
+    scale_t scale[R][U];
+    scale_t bias[R][U];
 };
 
 // Issues the loads of the pass starting at chunk `base` of rows with `chunks` chunks (nothing
@@ -311,8 +311,8 @@ __device__ __forceinline__ void load_pass(const RowRef (&rows)[R], int base, int
             p.u[i][j] = valid ? load_weights(rows[i].data + c) : make_uint4(0, 0, 0, 0);
             if (BITS != 16) {
                 const int g = (c * (128 / BITS)) >> group_shift;
-                p.scale[i][j] = valid ? rows[i].scales[g] : __float2bfloat16(0.0f);
-                p.bias[i][j] = valid ? rows[i].biases[g] : __float2bfloat16(0.0f);
+                p.scale[i][j] = valid ? rows[i].scales[g] : scale_zero();
+                p.bias[i][j] = valid ? rows[i].biases[g] : scale_zero();
             }
         }
 }
@@ -349,15 +349,15 @@ __device__ __forceinline__ float low_bits_f(uint32_t w) {
 // Adds one chunk (its 16 bytes in u) dotted with its staged entries xv to acc; `stats` is the
 // chunk's (xscale, csum) for 4-bit weights, (csum, unused) for 8-bit.
 template <int BITS>
-__device__ __forceinline__ void chunk_dot(uint4 u, const uint4 (&xv)[4], float2 stats, bf16 scale_b, bf16 bias_b,
+__device__ __forceinline__ void chunk_dot(uint4 u, const uint4 (&xv)[4], float2 stats, scale_t scale_b, scale_t bias_b,
                                           float& acc) {
     if (BITS == 4) {
         int q = word_dot4(u.x, xv[0], 0);
         q = word_dot4(u.y, xv[1], q);
         q = word_dot4(u.z, xv[2], q);
         q = word_dot4(u.w, xv[3], q);
-        acc = fmaf(__bfloat162float(scale_b) * stats.x, static_cast<float>(q), acc);
-        acc = fmaf(__bfloat162float(bias_b), stats.y, acc);
+        acc = fmaf(scale_f32(scale_b) * stats.x, static_cast<float>(q), acc);
+        acc = fmaf(scale_f32(bias_b), stats.y, acc);
     } else if (BITS == 8) {
         // Bytes 0-1 in place (bits 0-15); bytes 2-3 after a shift by 16.
         const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -371,8 +371,8 @@ __device__ __forceinline__ void chunk_dot(uint4 u, const uint4 (&xv)[4], float2 
             a0 += low_bits_f<8, 0>(hi) * x.z;
             a8 += low_bits_f<8, 8>(hi) * x.w;
         }
-        acc = fmaf(__bfloat162float(scale_b), a0 * 8388608.0f + a8 * 32768.0f, acc);
-        acc = fmaf(__bfloat162float(bias_b), stats.x, acc);
+        acc = fmaf(scale_f32(scale_b), a0 * 8388608.0f + a8 * 32768.0f, acc);
+        acc = fmaf(scale_f32(bias_b), stats.x, acc);
     } else {
         const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
