@@ -7,7 +7,9 @@
 #      700-token prompt of the 4-bit fixture (the tensor-core products, grouped experts, chunkwise
 #      DeltaNet and flash attention of batched prefill), and on the batched-decode tests;
 #   4. scripts/gpu_transformers_check.py: lily (CPU and CUDA) vs transformers on a full-width
-#      Qwen3.6-35B-A3B truncated to 4 layers with random weights.
+#      Qwen3.6-35B-A3B truncated to 4 layers with random weights, and on a wider model of the
+#      same architecture (hidden 4096, top-10 experts of 1024, 64 DeltaNet value heads), whose
+#      4-bit conversion is also run on both backends.
 # Binaries are built here (no cargo on the GPU machine) and carried:
 #   cargo build --release --features cuda --target-dir target/cuda
 #   cargo test --release --features cuda --target-dir target/cuda --test cuda --no-run
@@ -52,5 +54,7 @@ step sanitizer-long-prompt compute-sanitizer --error-exitcode 1 --tool memcheck 
 step sanitizer-batched compute-sanitizer --error-exitcode 1 --tool memcheck \
     target/gpu/cuda-tests --test-threads=1 batched_decode quantized_batches single_token
 step transformers python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-trunc
+step transformers-wide python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-wide \
+    --shape wide --quantized
 grep -h "GPU error\|relative error" "$log"/*.log
 exit $status
