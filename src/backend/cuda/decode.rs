@@ -237,12 +237,18 @@ impl CudaBackend {
             gdn.smem as u32,
         );
         launch.grid_dim.2 = rows as u32;
+        // Several sequences' blocks run in waves: the variant capped at four blocks per SM.
+        let kernel = if rows > 1 {
+            &self.k.deltanet_step_batched
+        } else {
+            &self.k.deltanet_step
+        };
         // SAFETY: shapes checked at construction; proj and out hold a row per token (or
         // sequence); the grid is whole clusters.
         unsafe {
             self.launch_clusters(
                 "deltanet_step",
-                &self.k.deltanet_step,
+                kernel,
                 launch,
                 gdn.splits as u32,
                 &mut [
@@ -610,7 +616,7 @@ impl CudaBackend {
         let (c, s) = (&self.config, &self.stream);
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
         // One token's blocks spread over every SM with the floor of `down_smem`; several tokens'
-        // run in waves, and three blocks to an SM make fewer of them.
+        // run in waves, and four blocks to an SM (moe_down_batched) make fewer of them.
         let smem = if tokens == 1 {
             self.down_smem
         } else {
@@ -622,11 +628,16 @@ impl CudaBackend {
         let mut launch = cfg(blocks, 1, MATVEC_THREADS, smem);
         launch.grid_dim.2 = tokens as u32;
         let routed_early = i32::from(routed_early);
+        let kernel = if tokens == 1 {
+            &self.k.moe_down
+        } else {
+            &self.k.moe_down_batched
+        };
         // SAFETY: act, ids and weights hold `tokens` rows; each output row is owned by one warp.
         unsafe {
             self.launch(
                 "moe_down",
-                &self.k.moe_down,
+                kernel,
                 launch,
                 &mut [
                     arg(dims),

@@ -523,6 +523,7 @@ struct Kernels {
     matvec_mma: CudaFunction,
     embed: CudaFunction,
     deltanet_step: CudaFunction,
+    deltanet_step_batched: CudaFunction,
     deltanet_conv_ring: CudaFunction,
     deltanet_conv_chunk: CudaFunction,
     deltanet_norm_chunk: CudaFunction,
@@ -538,6 +539,7 @@ struct Kernels {
     moe_router_shared: CudaFunction,
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
+    moe_down_batched: CudaFunction,
     moe_gate_up_tokens: CudaFunction,
     argmax_partial: CudaFunction,
     argmax_final: CudaFunction,
@@ -764,6 +766,14 @@ impl CudaBackend {
                 ]
             })
             .chain(scales.define().map(String::from))
+            // Experiments: extra defines (`NAME=VALUE`, space-separated) for the kernels'
+            // #ifndef-guarded constants, so one binary measures several variants.
+            .chain(
+                std::env::var("LILY_DEFINES")
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .map(String::from),
+            )
             .collect();
         let block_trace = block_trace.map(Mutex::new);
         let mut functions = std::collections::HashMap::new();
@@ -790,6 +800,7 @@ impl CudaBackend {
             matvec_mma: get("matvec_mma")?,
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
+            deltanet_step_batched: get("deltanet_step_batched")?,
             deltanet_conv_ring: get("deltanet_conv_ring")?,
             deltanet_conv_chunk: get("deltanet_conv_chunk")?,
             deltanet_norm_chunk: get("deltanet_norm_chunk")?,
@@ -805,6 +816,7 @@ impl CudaBackend {
             moe_router_shared: get("moe_router_shared")?,
             moe_gate_up: get("moe_gate_up")?,
             moe_down: get("moe_down")?,
+            moe_down_batched: get("moe_down_batched")?,
             moe_gate_up_tokens: get("moe_gate_up_tokens")?,
             argmax_partial: get("argmax_partial")?,
             argmax_final: get("argmax_final")?,
@@ -828,8 +840,10 @@ impl CudaBackend {
             &k.moe_router_shared,
             &k.moe_gate_up,
             &k.moe_down,
+            &k.moe_down_batched,
             &k.moe_gate_up_tokens,
             &k.deltanet_step,
+            &k.deltanet_step_batched,
             &k.gemm_q,
             &k.gemm_q_grouped,
             &k.gemm_q_grouped_wide,
@@ -1677,6 +1691,7 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
         "matvec" => &["matvec", "matvec_two_rows", "matvec_mma", "embed"],
         "deltanet" => &[
             "deltanet_step",
+            "deltanet_step_batched",
             "deltanet_conv_ring",
             "deltanet_conv_chunk",
             "deltanet_norm_chunk",
@@ -1696,6 +1711,7 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "moe_router_shared",
             "moe_gate_up",
             "moe_down",
+            "moe_down_batched",
             "moe_gate_up_tokens",
             "moe_route",
             "moe_group",

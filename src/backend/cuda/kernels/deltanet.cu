@@ -13,6 +13,9 @@
 #define MAX_ROWS_PER_THREAD 16
 #define MAX_CONV_KERNEL 4
 #define MAX_SPLITS 4  // blocks per head (DeltaNetShape on the host)
+#ifndef DELTANET_BATCHED_BLOCKS
+#define DELTANET_BATCHED_BLOCKS 4  // blocks per SM of deltanet_step_batched
+#endif
 
 struct DeltaNetDims {
     int key_heads, value_heads, key_dim, value_dim, kernel, splits;
@@ -53,12 +56,10 @@ struct DeltaNetSeqs {
 // Launch: value_heads * splits blocks in clusters of `splits`; cols = value_dim / splits columns
 // per block, cols * groups threads, each owning key_dim / groups state rows of one column.
 // Shared memory: (2 * key_dim + cols + threads + 64) floats.
-extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring,
-                                                              const float* conv_w, const float* a_log,
-                                                              const float* dt_bias, const float* norm_w, float* state,
-                                                              const int* position, int tokens, float* out,
-                                                              DeltaNetSeqs seqs) {
-    TRACE_BLOCK();
+__device__ __forceinline__ void deltanet_step_impl(const DeltaNetDims& d, const float* proj, float* conv_ring,
+                                                   const float* conv_w, const float* a_log, const float* dt_bias,
+                                                   const float* norm_w, float* state, const int* position,
+                                                   int tokens, float* out, const DeltaNetSeqs& seqs) {
     extern __shared__ float smem[];
     // Sums of squares of the head's output, per token parity, block of the cluster and warp of
     // group 0 (cols <= 256, splits <= MAX_SPLITS): every block pushes its own to all.
@@ -237,6 +238,29 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, 
 #pragma unroll
     for (int i = 0; i < MAX_ROWS_PER_THREAD; ++i)
         if (i < rows) S[(grp + i * groups) * d.value_dim + dv] = s[i];
+}
+
+extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring,
+                                                              const float* conv_w, const float* a_log,
+                                                              const float* dt_bias, const float* norm_w, float* state,
+                                                              const int* position, int tokens, float* out,
+                                                              DeltaNetSeqs seqs) {
+    TRACE_BLOCK();
+    deltanet_step_impl(d, proj, conv_ring, conv_w, a_log, dt_bias, norm_w, state, position, tokens, out, seqs);
+}
+
+// deltanet_step for batched decode steps, whose blocks (a grid row per sequence) run in several
+// waves: registers capped (64, no spills) so that four blocks share an SM instead of two, in
+// fewer waves. One sequence keeps deltanet_step, whose 125 registers hold more of its loads in
+// flight before its wait. The same code, so each sequence's step is bit for bit what it is alone.
+extern "C" __global__ void __launch_bounds__(256, DELTANET_BATCHED_BLOCKS) deltanet_step_batched(DeltaNetDims d, const float* proj,
+                                                                         float* conv_ring, const float* conv_w,
+                                                                         const float* a_log, const float* dt_bias,
+                                                                         const float* norm_w, float* state,
+                                                                         const int* position, int tokens, float* out,
+                                                                         DeltaNetSeqs seqs) {
+    TRACE_BLOCK();
+    deltanet_step_impl(d, proj, conv_ring, conv_w, a_log, dt_bias, norm_w, state, position, tokens, out, seqs);
 }
 
 // After a multi-token deltanet_step: records the last min(tokens, kernel) conv inputs (positions

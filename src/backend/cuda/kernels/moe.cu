@@ -105,6 +105,9 @@ __device__ __forceinline__ int act_width(const MoeDims& d) {
 #define GATE_UP_ROWS_PER_WARP 2
 #define DOWN_ROWS_PER_WARP 1
 #define DOWN_PASS 4
+#ifndef MOE_DOWN_BATCHED_BLOCKS
+#define MOE_DOWN_BATCHED_BLOCKS 4  // blocks per SM of moe_down_batched
+#endif
 
 typedef Pass<2 * GATE_UP_ROWS_PER_WARP, 2> GateUpPass;
 
@@ -391,10 +394,9 @@ __device__ __forceinline__ void down_first_pass(const MoeDims& d, const Weight& 
 // intermediate) + staged_floats(shared_intermediate) floats. routed_early: the routing was
 // written two launches back (moe_route, for several tokens), so the routed rows are requested
 // before the wait; else by the previous kernel (moe_gate_up), and after it.
-extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
-                                                           const int* ids_in, const float* weights_in,
-                                                           float* residual, int routed_early) {
-    TRACE_BLOCK();
+__device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& down, const Weight& shared_down,
+                                              const float* act, const int* ids_in, const float* weights_in,
+                                              float* residual, int routed_early) {
     extern __shared__ __align__(16) float smem[];
     const size_t token = blockIdx.z;
     act += token * act_width(d);
@@ -450,6 +452,24 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
 #pragma unroll
         for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
             if (r0 + i < d.hidden) residual[r0 + i] = prior[i] + out[i];
+}
+
+extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
+                                                           const int* ids_in, const float* weights_in,
+                                                           float* residual, int routed_early) {
+    TRACE_BLOCK();
+    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
+}
+
+// moe_down for batched decode steps, whose grid rows (one per token) run in several waves:
+// registers capped (64, no spills; at five blocks it spills) so that four blocks share an SM
+// instead of three. The same code as moe_down, so each token's sums are bit for bit what they
+// are alone.
+extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_BATCHED_BLOCKS) moe_down_batched(
+    MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids_in, const float* weights_in,
+    float* residual, int routed_early) {
+    TRACE_BLOCK();
+    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
 }
 
 // Each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot top_k is the
