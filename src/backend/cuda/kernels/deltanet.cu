@@ -13,6 +13,13 @@
 #define MAX_ROWS_PER_THREAD 16
 #define MAX_CONV_KERNEL 4
 #define MAX_SPLITS 4  // blocks per head (DeltaNetShape on the host)
+// deltanet_step's launch bounds; DELTANET_STEP_BLOCKS (an experiment) caps its registers for
+// that many blocks per SM.
+#ifdef DELTANET_STEP_BLOCKS
+#define DELTANET_STEP_BOUNDS __launch_bounds__(256, DELTANET_STEP_BLOCKS)
+#else
+#define DELTANET_STEP_BOUNDS __launch_bounds__(256)
+#endif
 #ifndef DELTANET_BATCHED_BLOCKS
 #define DELTANET_BATCHED_BLOCKS 4  // blocks per SM of deltanet_step_batched
 #endif
@@ -240,7 +247,7 @@ __device__ __forceinline__ void deltanet_step_impl(const DeltaNetDims& d, const 
         if (i < rows) S[(grp + i * groups) * d.value_dim + dv] = s[i];
 }
 
-extern "C" __global__ void __launch_bounds__(256) deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring,
+extern "C" __global__ void DELTANET_STEP_BOUNDS deltanet_step(DeltaNetDims d, const float* proj, float* conv_ring,
                                                               const float* conv_w, const float* a_log,
                                                               const float* dt_bias, const float* norm_w, float* state,
                                                               const int* position, int tokens, float* out,
