@@ -6,7 +6,9 @@
 #   3. compute-sanitizer (memcheck) on a short prefill + decode, greedy and sampled, on a
 #      700-token prompt of the 4-bit fixture (the tensor-core products, grouped experts, chunkwise
 #      DeltaNet and flash attention of batched prefill), and on the batched-decode tests;
-#   4. scripts/gpu_transformers_check.py: lily (CPU and CUDA) vs transformers on a full-width
+#   4. scripts/gpu_side_by_side.py: three lily processes decoding at once on the GPU, each with
+#      the token ids of the same run alone (greedy and sampled);
+#   5. scripts/gpu_transformers_check.py: lily (CPU and CUDA) vs transformers on a full-width
 #      Qwen3.6-35B-A3B truncated to 4 layers with random weights, and on a wider model of the
 #      same architecture (hidden 4096, top-10 experts of 1024, 64 DeltaNet value heads), whose
 #      4-bit conversion is also run on both backends.
@@ -53,6 +55,8 @@ step sanitizer-long-prompt compute-sanitizer --error-exitcode 1 --tool memcheck 
 # matvec_mma) and single-token prefill chunks.
 step sanitizer-batched compute-sanitizer --error-exitcode 1 --tool memcheck \
     target/gpu/cuda-tests --test-threads=1 batched_decode quantized_batches single_token
+# Several processes on the GPU at once (greedy and sampled): each must match the run alone.
+step side-by-side python3 scripts/gpu_side_by_side.py --lily "$lily" --model "$q4"
 step transformers python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-trunc
 step transformers-wide python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-wide \
     --shape wide --quantized

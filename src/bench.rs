@@ -224,7 +224,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let bytes = backend.decode_bytes_per_token(context);
     let achieved = bytes as f64 * decode_tok_s;
     let limit_tok_s = copy_bw / bytes as f64;
-    let used = backend.device_memory_used()?;
+    let memory = backend.memory_use()?;
+    let device_in_use = backend.device_memory_in_use()?;
 
     println!("model              {source}");
     println!("load               {load_s:.1} s");
@@ -232,7 +233,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "weights on GPU     {:.2} GB",
         backend.weight_bytes() as f64 / 1e9
     );
-    println!("GPU memory used    {:.2} GB", used as f64 / 1e9);
+    println!(
+        "GPU memory used    {:.2} GB by lily: weights {:.2}, {} sequence slot(s) {:.2}, scratch \
+         {:.2} ({:.2} GB in use on the device, by every process and the driver)",
+        memory.total() as f64 / 1e9,
+        memory.weights as f64 / 1e9,
+        args.batch.max(1),
+        memory.sequences as f64 / 1e9,
+        memory.scratch as f64 / 1e9,
+        device_in_use as f64 / 1e9
+    );
     println!(
         "copy bandwidth     {:.0} GB/s (measured, read + write)",
         copy_bw / 1e9
@@ -317,7 +327,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "decode_gb_s": achieved / 1e9,
             "copy_gb_s": copy_bw / 1e9,
             "fraction_of_limit": achieved / copy_bw,
-            "gpu_memory_gb": used as f64 / 1e9,
+            "gpu_memory_gb": memory.total() as f64 / 1e9,
+            "gpu_memory_sequences_gb": memory.sequences as f64 / 1e9,
+            "gpu_memory_scratch_gb": memory.scratch as f64 / 1e9,
+            "device_memory_in_use_gb": device_in_use as f64 / 1e9,
             "weights_gb": backend.weight_bytes() as f64 / 1e9,
             "last_token": token,
             "batch": args.batch,

@@ -184,6 +184,43 @@ fn context_limit_is_an_error() {
     assert!(err.to_string().contains("context"), "{err}");
 }
 
+#[test]
+fn memory_use_counts_the_backends_own_buffers() {
+    let model = Model::load(&fixtures()[0]).unwrap();
+    let c = &model.config;
+    let context = 256;
+    let attention = c
+        .layer_kinds
+        .iter()
+        .filter(|k| **k == lily::config::LayerKind::FullAttention)
+        .count();
+    let deltanet = c.num_layers() - attention;
+    // Keys and values in bf16 up to the context, and each DeltaNet layer's conv inputs and
+    // recurrent state in f32; a slot's position, token and sampling settings are a few bytes.
+    let state = attention * 2 * context * c.num_key_value_heads * c.head_dim * 2
+        + deltanet
+            * 4
+            * (c.linear_conv_kernel_dim * c.linear_conv_dim()
+                + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
+    let one = cuda(&model, 1);
+    let three = cuda(&model, 3);
+    let (m1, m3) = (one.memory_use().unwrap(), three.memory_use().unwrap());
+    assert!(
+        (state..state + 64).contains(&m1.sequences),
+        "one slot holds {} bytes, its caches and states {state}",
+        m1.sequences
+    );
+    assert_eq!(m3.sequences, 3 * m1.sequences);
+    assert_eq!(m1.weights, m3.weights);
+    assert!(m3.scratch > m1.scratch, "activations have a row per slot");
+    // The driver's count covers every process and context on the device, ours among them.
+    let in_use = three.device_memory_in_use().unwrap();
+    assert!(
+        m1.total() + m3.total() <= in_use,
+        "{m1:?} {m3:?} of {in_use}"
+    );
+}
+
 /// Host reference of the device draw: softmax(logits / T), then top-k, then top-p over what
 /// top-k kept (the smallest most likely set reaching `top_p` of its mass), renormalised.
 fn filtered_probabilities(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Vec<f64> {

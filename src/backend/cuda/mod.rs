@@ -577,6 +577,31 @@ struct Scratch {
     chosen: CudaSlice<i32>,
 }
 
+impl Scratch {
+    fn bytes(&self) -> usize {
+        [
+            &self.x,
+            &self.proj,
+            &self.core,
+            &self.q,
+            &self.part_max,
+            &self.part_sum,
+            &self.part_out,
+            &self.router_logits,
+            &self.act,
+            &self.weights,
+            &self.logits,
+            &self.arg_val,
+        ]
+        .iter()
+        .map(|v| v.num_bytes())
+        .sum::<usize>()
+            + self.ids.num_bytes()
+            + self.arg_idx.num_bytes()
+            + self.chosen.num_bytes()
+    }
+}
+
 /// Batched decode: the tables its graphs read, and one graph per (batch size, ending), captured
 /// on first use.
 struct BatchSteps {
@@ -633,6 +658,24 @@ struct SamplingDesc {
 unsafe impl DeviceRepr for SamplingDesc {}
 
 impl Slot {
+    /// Device memory of the sequence's buffers (its captured graphs are the driver's).
+    fn bytes(&self) -> usize {
+        self.position.num_bytes()
+            + self.token.num_bytes()
+            + self.sampling.num_bytes()
+            + self
+                .kv
+                .iter()
+                .map(|(k, v)| k.num_bytes() + v.num_bytes())
+                .sum::<usize>()
+            + self
+                .conv
+                .iter()
+                .chain(&self.recurrent)
+                .map(|v| v.num_bytes())
+                .sum::<usize>()
+    }
+
     /// The captured step that ends as `end` says.
     fn graph(&mut self, end: StepEnd) -> &mut Option<Graph> {
         match end {
@@ -689,6 +732,23 @@ pub struct CudaBackend {
     timer: Mutex<timing::PartTimer>,
     /// Truncates recorded decode steps, when `decode_critical_path` runs.
     prefix: timing::LaunchPrefix,
+}
+
+/// Device memory a backend holds, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryUse {
+    /// The model's weights (and norm vectors).
+    pub weights: usize,
+    /// Every sequence slot: KV caches, DeltaNet conv and recurrent states, positions.
+    pub sequences: usize,
+    /// Activations of decode and prefill steps, shared by all sequences.
+    pub scratch: usize,
+}
+
+impl MemoryUse {
+    pub fn total(&self) -> usize {
+        self.weights + self.sequences + self.scratch
+    }
 }
 
 /// Options of the CUDA backend.
@@ -1115,8 +1175,34 @@ impl CudaBackend {
         Ok(self.stream.synchronize()?)
     }
 
-    /// Device memory in use (weights, slots, scratch and the driver's own), from the driver.
-    pub fn device_memory_used(&self) -> Result<usize> {
+    /// The device memory this backend holds, by use, counted from its own buffers: the driver
+    /// only reports how much of the device is in use in all, other processes on it included.
+    pub fn memory_use(&self) -> Result<MemoryUse> {
+        let lock = |what| anyhow::anyhow!("{what} lock poisoned");
+        let sequences = self
+            .slots
+            .lock()
+            .map_err(|_| lock("slot"))?
+            .iter()
+            .map(Slot::bytes)
+            .sum();
+        let tables = self
+            .batch
+            .lock()
+            .map_err(|_| lock("batch"))?
+            .tables
+            .table
+            .num_bytes();
+        let prefill = self.prefill.lock().map_err(|_| lock("prefill"))?.bytes();
+        Ok(MemoryUse {
+            weights: self.model.bytes(),
+            sequences,
+            scratch: self.scratch.bytes() + tables + prefill,
+        })
+    }
+
+    /// Device memory in use by every process on the device (and the driver), from the driver.
+    pub fn device_memory_in_use(&self) -> Result<usize> {
         let (free, total) = cudarc::driver::result::mem_get_info()?;
         Ok(total - free)
     }

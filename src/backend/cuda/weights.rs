@@ -506,10 +506,11 @@ impl DeviceModel {
         })
     }
 
-    /// Bytes of weight memory on the device.
+    /// Bytes of weight memory on the device, norm and gate vectors included.
     pub fn bytes(&self) -> usize {
-        let mut total = self.embed.bytes() + self.lm_head.bytes();
+        let mut total = self.embed.bytes() + self.lm_head.bytes() + self.final_norm.num_bytes();
         for l in &self.layers {
+            total += l.input_norm.num_bytes() + l.post_norm.num_bytes();
             total += [
                 &l.router,
                 &l.gate,
@@ -524,9 +525,26 @@ impl DeviceModel {
             .sum::<usize>();
             total += match &l.mixer {
                 DeviceMixer::DeltaNet {
-                    in_proj, out_proj, ..
-                } => in_proj.bytes() + out_proj.bytes(),
-                DeviceMixer::Attention { qkv, o_proj, .. } => qkv.bytes() + o_proj.bytes(),
+                    in_proj,
+                    out_proj,
+                    conv_w,
+                    a_log,
+                    dt_bias,
+                    norm,
+                } => {
+                    in_proj.bytes()
+                        + out_proj.bytes()
+                        + [conv_w, a_log, dt_bias, norm]
+                            .iter()
+                            .map(|v| v.num_bytes())
+                            .sum::<usize>()
+                }
+                DeviceMixer::Attention {
+                    qkv,
+                    o_proj,
+                    q_norm,
+                    k_norm,
+                } => qkv.bytes() + o_proj.bytes() + q_norm.num_bytes() + k_norm.num_bytes(),
             };
         }
         total

@@ -49,12 +49,12 @@ pub(super) struct PrefillScratch {
     x16: CudaSlice<u16>,
     xscale: CudaSlice<f32>,
     /// The storage `mixer` and `moe` point into.
-    _layer: CudaSlice<u8>,
+    layer: CudaSlice<u8>,
     mixer: MixerScratch,
     moe: MoeScratch,
 }
 
-/// Device addresses of the mixer's pieces (in `PrefillScratch::_layer`).
+/// Device addresses of the mixer's pieces (in `PrefillScratch::layer`).
 struct MixerScratch {
     /// The input projection's output and the mixer's output, before the out projection.
     proj: u64,
@@ -74,7 +74,7 @@ struct MixerScratch {
     gdn_values: u64,
 }
 
-/// Device addresses of the MoE's pieces (in `PrefillScratch::_layer`).
+/// Device addresses of the MoE's pieces (in `PrefillScratch::layer`).
 struct MoeScratch {
     router_logits: u64,
     ids: u64,
@@ -188,6 +188,15 @@ impl MoeScratch {
 }
 
 impl PrefillScratch {
+    /// Device memory the scratch holds.
+    pub(super) fn bytes(&self) -> usize {
+        self.tokens.num_bytes()
+            + self.x.num_bytes()
+            + self.x16.num_bytes()
+            + self.xscale.num_bytes()
+            + self.layer.num_bytes()
+    }
+
     /// Scratch for chunks of up to `n` tokens of the model `c`.
     pub(super) fn new(stream: &Arc<CudaStream>, c: &ModelConfig, n: usize) -> Result<Self> {
         let widest = c
@@ -211,7 +220,7 @@ impl PrefillScratch {
             x: stream.alloc_zeros::<f32>(n * c.hidden_size)?,
             x16: stream.alloc_zeros::<u16>(n * widest)?,
             xscale: stream.alloc_zeros::<f32>(n)?,
-            _layer: layer,
+            layer,
             mixer,
             moe,
         })
