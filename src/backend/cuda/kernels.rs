@@ -122,21 +122,36 @@ fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
     })
 }
 
+/// Extra defines for experiments (`NAME=VALUE`, space-separated in `LILY_DEFINES`): they set the
+/// kernels' #ifndef-guarded constants, so that one binary measures several variants.
+pub fn experiment_defines() -> Vec<String> {
+    std::env::var("LILY_DEFINES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(String::from)
+        .collect()
+}
+
 /// `lily kernels --check`: compiles every module without the cache; reports and fails on errors.
 pub fn check_all() -> Result<()> {
     let mut failed = Vec::new();
     // Every module as loaded (scales and biases in bf16, and in fp16), and with the block
-    // records of `lily bench --trace` compiled in (at a made-up address: nothing runs).
-    let f16_scales = ["LILY_SCALES_F16".to_string()];
-    let traced = [
-        "LILY_TRACE_BUF=0x10000ull".to_string(),
-        "LILY_TRACE_CAP=1".to_string(),
+    // records of `lily bench --trace` compiled in (at a made-up address: nothing runs); each
+    // with the experiments' defines, as the backend loads them.
+    let with = |extra: &[&str]| {
+        let mut d: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        d.extend(experiment_defines());
+        d
+    };
+    let variants = [
+        (with(&[]), ""),
+        (with(&["LILY_SCALES_F16"]), " (fp16 scales)"),
+        (
+            with(&["LILY_TRACE_BUF=0x10000ull", "LILY_TRACE_CAP=1"]),
+            " (traced)",
+        ),
     ];
-    for (defines, variant) in [
-        (&[][..], ""),
-        (&f16_scales[..], " (fp16 scales)"),
-        (&traced[..], " (traced)"),
-    ] {
+    for (defines, variant) in &variants {
         for (name, src) in MODULES {
             let start = Instant::now();
             match compile(name, src, false, defines) {

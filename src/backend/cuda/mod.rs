@@ -826,14 +826,7 @@ impl CudaBackend {
                 ]
             })
             .chain(scales.define().map(String::from))
-            // Experiments: extra defines (`NAME=VALUE`, space-separated) for the kernels'
-            // #ifndef-guarded constants, so one binary measures several variants.
-            .chain(
-                std::env::var("LILY_DEFINES")
-                    .unwrap_or_default()
-                    .split_whitespace()
-                    .map(String::from),
-            )
+            .chain(kernels::experiment_defines())
             .collect();
         let block_trace = block_trace.map(Mutex::new);
         let mut functions = std::collections::HashMap::new();
