@@ -915,6 +915,52 @@ fn batched_decode_matches_each_sequence_decoded_alone() {
 /// calibrated tolerance (the tokens fed are the CPU's greedy choices), on 4-bit and 8-bit
 /// weights, in a batch of ten (two blocks of the product's eight tokens) that loses a member
 /// mid-way.
+/// Small batches multiply each weight row with every sequence's input in turn (`matvec_tokens`:
+/// bf16 batches of up to four, quantised ones of two), in the order one sequence's step does,
+/// and every other kernel of a batched step keeps that order too: so each sequence's logits are
+/// bit for bit those of its step alone. (Larger quantised batches take the tensor-core product,
+/// checked against the CPU in `quantized_batches_decode_like_the_cpu`.)
+#[test]
+fn small_batches_decode_bit_for_bit_as_each_sequence_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = &fixtures()[0];
+    let formats = [
+        ("bf16", dir.clone(), 4),
+        ("4-bit", quantized_fixture(&tmp.path().join("q4"), 4, 64), 2),
+        ("8-bit", quantized_fixture(&tmp.path().join("q8"), 8, 32), 2),
+    ];
+    for (label, path, largest) in &formats {
+        let model = Model::load(path).unwrap();
+        let vocab = model.config.vocab_size;
+        let prompts = batch_prompts(dir, vocab as u32, *largest);
+        let gpu = cuda(&model, 2 * prompts.len());
+        for n in 2..=prompts.len() {
+            let mut batch = Vec::new();
+            let mut solo = Vec::new();
+            let mut next = Vec::new();
+            for p in &prompts[..n] {
+                let mut s = gpu.new_state().unwrap();
+                next.push(argmax(&gpu.prefill(&mut s, p, LogitsFor::Last).unwrap()));
+                solo.push(gpu.fork(&s).unwrap());
+                batch.push(s);
+            }
+            for step in 0..3 {
+                let mut refs: Vec<_> = batch.iter_mut().collect();
+                let got = gpu.decode(&mut refs, &next).unwrap();
+                for i in 0..n {
+                    let want = gpu.decode(&mut [&mut solo[i]], &[next[i]]).unwrap();
+                    assert!(
+                        got[i * vocab..(i + 1) * vocab] == want[..],
+                        "{label}, batch of {n}, sequence {i}, step {step}: logits differ from the \
+                         sequence decoded alone"
+                    );
+                    next[i] = argmax(&want);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn quantized_batches_decode_like_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();

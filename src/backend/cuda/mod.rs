@@ -53,6 +53,11 @@ const NO_TABLE: u64 = 0;
 const MATVEC_THREADS: u32 = 256;
 /// Resident `matvec` blocks per SM (its launch bounds allow three): one wave of persistent blocks.
 const MATVEC_BLOCKS_PER_SM: usize = 3;
+/// Most tokens a `matvec_tokens` block dots each weight row with (MATVEC_TOKENS in matvec.cu).
+const MATVEC_TOKENS: usize = 4;
+/// Passes of the one-token grid over a quantised matrix above which two tokens take
+/// `matvec_mma` instead of `matvec_tokens` (see `matvec_tokens_per_block`).
+const MATVEC_TOKENS_MAX_PASSES: usize = 4;
 /// Tokens per `matvec_mma` block (MMA_TOKENS in matvec.cu) and its resident blocks per SM.
 const MMA_TOKENS: usize = 8;
 const MMA_BLOCKS_PER_SM: usize = 2;
@@ -520,6 +525,8 @@ struct Kernels {
     block_trace: Option<Mutex<CudaSlice<u64>>>,
     matvec: CudaFunction,
     matvec_two_rows: CudaFunction,
+    matvec_tokens: CudaFunction,
+    matvec_two_rows_tokens: CudaFunction,
     matvec_mma: CudaFunction,
     embed: CudaFunction,
     deltanet_step: CudaFunction,
@@ -850,6 +857,8 @@ impl CudaBackend {
             block_trace,
             matvec: get("matvec")?,
             matvec_two_rows: get("matvec_two_rows")?,
+            matvec_tokens: get("matvec_tokens")?,
+            matvec_two_rows_tokens: get("matvec_two_rows_tokens")?,
             matvec_mma: get("matvec_mma")?,
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
@@ -889,6 +898,8 @@ impl CudaBackend {
         for f in [
             &k.matvec,
             &k.matvec_two_rows,
+            &k.matvec_tokens,
+            &k.matvec_two_rows_tokens,
             &k.matvec_mma,
             &k.moe_router_shared,
             &k.moe_gate_up,
@@ -1221,6 +1232,54 @@ impl CudaBackend {
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
+        if let Some(per_block) = self.matvec_tokens_per_block(w, tokens) {
+            let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
+            let kernel = if rows_per_warp == 2 {
+                &self.k.matvec_two_rows_tokens
+            } else {
+                &self.k.matvec_tokens
+            };
+            let smem = matvec_tokens_smem(w.cols, per_block);
+            let warps = MATVEC_THREADS as usize / 32;
+            // One wave: as many blocks as fit on an SM beside each other (registers and
+            // staging may allow fewer than the one-token kernels' MATVEC_BLOCKS_PER_SM).
+            let per_sm = kernel
+                .occupancy_max_active_blocks_per_multiprocessor(
+                    MATVEC_THREADS,
+                    smem as usize,
+                    None,
+                )?
+                .max(1) as usize;
+            let blocks = w
+                .rows
+                .div_ceil(warps * rows_per_warp)
+                .min(self.num_sms as usize * per_sm);
+            let (tokens32, per_block32) = (tokens as i32, per_block as i32);
+            // SAFETY: x and y hold `tokens` rows of w.cols and w.rows floats; each block stages
+            // per_block of them in `smem` bytes (matvec_tokens_per_block keeps that in bounds).
+            return unsafe {
+                self.launch(
+                    role,
+                    kernel,
+                    cfg(
+                        blocks as u32,
+                        tokens.div_ceil(per_block) as u32,
+                        MATVEC_THREADS,
+                        smem,
+                    ),
+                    &mut [
+                        arg(&desc),
+                        arg(&x),
+                        arg(&norm),
+                        arg(&eps),
+                        arg(&y),
+                        arg(&acc),
+                        arg(&tokens32),
+                        arg(&per_block32),
+                    ],
+                )
+            };
+        }
         if tokens > 1 && mma_takes(w.bits, w.group, w.cols) {
             let warps = MATVEC_THREADS as usize / 32;
             let resident = self.num_sms as usize * MMA_BLOCKS_PER_SM;
@@ -1284,6 +1343,37 @@ impl CudaBackend {
             )
         }?;
         Ok(())
+    }
+
+    /// Tokens per block of `matvec_tokens` for `tokens` rows of `w`'s inputs, or None where the
+    /// batch is better served otherwise. Weights `matvec_mma` does not take (bf16): up to
+    /// MATVEC_TOKENS tokens a block, each row read once instead of once per token. Weights it
+    /// takes: two tokens, and only for matrices of a few passes of the one-token grid, whose time
+    /// is latency that the tensor-core tiles (8 tokens wide, 6 of them idle) only lengthen; a
+    /// tall matrix (lm_head) is bandwidth-bound, where the integer dot's arithmetic per token
+    /// costs more (measured on the H200: `docs/BENCHMARKS.md`, batched decode).
+    fn matvec_tokens_per_block(&self, w: &DeviceWeight, tokens: usize) -> Option<usize> {
+        let most = if mma_takes(w.bits, w.group, w.cols) {
+            let warps = MATVEC_THREADS as usize / 32;
+            let pass = self.num_sms as usize
+                * MATVEC_BLOCKS_PER_SM
+                * warps
+                * matvec_rows_per_warp(w.cols, w.bits);
+            if w.rows > MATVEC_TOKENS_MAX_PASSES * pass {
+                return None;
+            }
+            2
+        } else {
+            MATVEC_TOKENS
+        };
+        if !(2..=most).contains(&tokens) {
+            return None;
+        }
+        let fit = (1..=MATVEC_TOKENS)
+            .take_while(|&n| matvec_tokens_smem(w.cols, n) as usize <= MAX_DYNAMIC_SHARED_BYTES)
+            .last()?;
+        let block_rows = tokens.div_ceil(fit);
+        Some(tokens.div_ceil(block_rows))
     }
 
     /// W x for one token by the decode mat-vec (the integer dot for 4- and 8-bit weights), W
@@ -1718,6 +1808,13 @@ fn matvec_rows_per_warp(cols: usize, bits: usize) -> usize {
     }
 }
 
+/// Dynamic shared memory of a `matvec_tokens` block of `tokens` inputs of `cols` values: the
+/// first rows of y (MATVEC_TOKENS x 2 floats per warp), then each token's staging.
+fn matvec_tokens_smem(cols: usize, tokens: usize) -> u32 {
+    (MATVEC_THREADS as usize / 32 * MATVEC_TOKENS * 2 * 4) as u32
+        + tokens as u32 * staged_bytes(&[cols])
+}
+
 /// Whether `matvec_mma` takes weights of `bits` bits in groups of `group`, rows of `cols`: 4-
 /// or 8-bit, each 16-byte chunk of a row inside one group, rows of whole quads of chunks, and
 /// its staging within the shared memory it may use.
@@ -1767,7 +1864,14 @@ fn staged_bytes(widths: &[usize]) -> u32 {
 /// The `extern "C"` kernels each module defines.
 fn kernel_names(module: &str) -> &'static [&'static str] {
     match module {
-        "matvec" => &["matvec", "matvec_two_rows", "matvec_mma", "embed"],
+        "matvec" => &[
+            "matvec",
+            "matvec_two_rows",
+            "matvec_tokens",
+            "matvec_two_rows_tokens",
+            "matvec_mma",
+            "embed",
+        ],
         "deltanet" => &[
             "deltanet_step",
             "deltanet_step_batched",

@@ -27,6 +27,37 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows(Weight w, c
     matvec_bits<2, 2>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
 }
 
+// A few tokens per block (a batched decode step of up to MATVEC_TOKENS sequences): each weight
+// row is read once for all of them (matvec_tokens_impl). Block row blockIdx.y takes tokens
+// per_block * blockIdx.y .. + per_block - 1 (per_block <= MATVEC_TOKENS). Shared memory:
+// MATVEC_TOKENS * 2 floats per warp, then per_block * (64 + staged_floats(cols)).
+#define MATVEC_TOKENS 4
+#ifndef MATVEC_TOKENS_BLOCKS
+#define MATVEC_TOKENS_BLOCKS 3  // blocks per SM the launch bounds ask for
+#endif
+extern "C" __global__ void __launch_bounds__(256, MATVEC_TOKENS_BLOCKS) matvec_tokens(Weight w, const float* x, const float* norm_scale,
+                                                                float eps, float* y, int accumulate, int tokens,
+                                                                int per_block) {
+    TRACE_BLOCK();
+    extern __shared__ __align__(16) float smem[];
+    const int first = blockIdx.y * per_block;
+    matvec_tokens_bits<1, 4, MATVEC_TOKENS>(w, x + (size_t)first * w.cols, norm_scale, eps,
+                                            y + (size_t)first * w.rows, accumulate,
+                                            min(per_block, tokens - first), smem);
+}
+
+// `matvec_tokens` for rows of at most 64 chunks, two rows per warp pass (as matvec_two_rows).
+extern "C" __global__ void __launch_bounds__(256, MATVEC_TOKENS_BLOCKS) matvec_two_rows_tokens(Weight w, const float* x,
+                                                                         const float* norm_scale, float eps, float* y,
+                                                                         int accumulate, int tokens, int per_block) {
+    TRACE_BLOCK();
+    extern __shared__ __align__(16) float smem[];
+    const int first = blockIdx.y * per_block;
+    matvec_tokens_bits<2, 2, MATVEC_TOKENS>(w, x + (size_t)first * w.cols, norm_scale, eps,
+                                            y + (size_t)first * w.rows, accumulate,
+                                            min(per_block, tokens - first), smem);
+}
+
 // x[t] = row `token[t]` of the embedding table, dequantised to f32; blockIdx.y is t. Batched
 // (token_of non-null): row t is the token of sequence t of the table.
 extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* token, float* x,

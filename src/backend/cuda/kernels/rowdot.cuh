@@ -477,6 +477,93 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
     }
 }
 
+// A few tokens at once (T at most, `tokens` of them): every weight row is read once and dotted
+// with each token's staged x in turn, in the order the one-token kernel dots it, so each token's
+// result is bit for bit what matvec_impl gives it alone. Token t's x and y rows are w.cols and
+// w.rows floats after token t - 1's. Shared memory: T * R floats per warp, then per token of the
+// block 64 + staged_floats(cols).
+template <int BITS, int R, int U, int T>
+__device__ void matvec_tokens_impl(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
+                                   int accumulate, int tokens, float* smem) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int chunks = w.cols / values_per_chunk(BITS);
+    const int stride = gridDim.x * warps * R;
+    const int per_token = 64 + staged_floats(w.cols);
+    int row0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * R;
+    RowRef rows[R];
+    Pass<R, U> pass;
+#pragma unroll
+    for (int i = 0; i < R; ++i) rows[i] = row_ref(w, row0 + i);
+    load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
+    // The first rows of y when accumulating, read before the wait (as matvec_impl), kept in
+    // shared memory (registers are what hold the weights in flight): T * R floats per warp,
+    // before the stagings.
+    float* prior = smem + (threadIdx.x >> 5) * T * R;
+    smem += warps * T * R;
+    if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+                prior[t * R + i] =
+                    accumulate && t < tokens && row0 + i < w.rows ? y[(size_t)t * w.rows + row0 + i] : 0.0f;
+    }
+    const int first_row0 = row0;
+    wait_for_previous_kernel();
+    float x_scale[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+        // Each token's own reduction scratch: the stagings follow each other without a barrier.
+        float* scratch = smem + t * per_token;
+        const StageSource src = {x + (size_t)t * w.cols, 0, w.cols, 1, nullptr};
+        x_scale[t] = t < tokens ? stage<BITS>(src, norm_scale, eps, scratch + 64, scratch) : 0.0f;
+    }
+    while (row0 < w.rows) {
+        RowSums<R> acc[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[t].clear();
+        for (int base = 0;;) {
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+                if (t < tokens)
+                    use_pass<BITS, R, U>(rows, staged_x<BITS>(smem + t * per_token + 64, w.cols), base, lane, pass,
+                                         acc[t]);
+            base += 32 * U;
+            if (base >= chunks) break;
+            load_pass<BITS, R, U>(rows, base, chunks, w.group_shift, lane, pass);
+        }
+        const int next = row0 + stride;
+        RowRef next_rows[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) next_rows[i] = row_ref(w, next + i);
+        if (next < w.rows) load_pass<BITS, R, U>(next_rows, 0, chunks, w.group_shift, lane, pass);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                const float v = warp_sum(acc[t].total[i]) * x_scale[t];
+                const int row = row0 + i;
+                float* out = y + (size_t)t * w.rows + row;
+                if (t < tokens && lane == 0 && row < w.rows)
+                    *out = accumulate ? (row0 == first_row0 ? prior[t * R + i] : *out) + v : v;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < R; ++i) rows[i] = next_rows[i];
+        row0 = next;
+    }
+}
+
+template <int R, int U, int T>
+__device__ void matvec_tokens_bits(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
+                                   int accumulate, int tokens, float* smem) {
+    switch (w.bits) {
+        case 4: matvec_tokens_impl<4, R, U, T>(w, x, norm_scale, eps, y, accumulate, tokens, smem); break;
+        case 8: matvec_tokens_impl<8, R, U, T>(w, x, norm_scale, eps, y, accumulate, tokens, smem); break;
+        default: matvec_tokens_impl<16, R, U, T>(w, x, norm_scale, eps, y, accumulate, tokens, smem); break;
+    }
+}
+
 template <int R, int U>
 __device__ void matvec_bits(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
                             int accumulate, float* smem) {
