@@ -54,7 +54,7 @@ step sanitizer-long-prompt compute-sanitizer --error-exitcode 1 --tool memcheck 
 # Batched decode steps (bf16 batches on the per-sequence kernels, quantised ones through
 # matvec_mma) and single-token prefill chunks.
 step sanitizer-batched compute-sanitizer --error-exitcode 1 --tool memcheck \
-    target/gpu/cuda-tests --test-threads=1 batched_decode quantized_batches single_token
+    target/gpu/cuda-tests --test-threads=1 batched_decode quantized_batches small_batches single_token
 # Several processes on the GPU at once (greedy and sampled): each must match the run alone.
 step side-by-side python3 scripts/gpu_side_by_side.py --lily "$lily" --model "$q4"
 step transformers python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-trunc
