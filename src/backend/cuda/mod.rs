@@ -1232,18 +1232,19 @@ impl CudaBackend {
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
         let acc = accumulate as i32;
+        let warps = MATVEC_THREADS as usize / 32;
+        // The integer-dot kernels for one token and for a few: two rows per warp pass for short rows.
+        let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
+        let (kernel, tokens_kernel) = if rows_per_warp == 2 {
+            (&self.k.matvec_two_rows, &self.k.matvec_two_rows_tokens)
+        } else {
+            (&self.k.matvec, &self.k.matvec_tokens)
+        };
         if let Some(per_block) = self.matvec_tokens_per_block(w, tokens) {
-            let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
-            let kernel = if rows_per_warp == 2 {
-                &self.k.matvec_two_rows_tokens
-            } else {
-                &self.k.matvec_tokens
-            };
             let smem = matvec_tokens_smem(w.cols, per_block);
-            let warps = MATVEC_THREADS as usize / 32;
             // One wave: as many blocks as fit on an SM beside each other (registers and
             // staging may allow fewer than the one-token kernels' MATVEC_BLOCKS_PER_SM).
-            let per_sm = kernel
+            let per_sm = tokens_kernel
                 .occupancy_max_active_blocks_per_multiprocessor(
                     MATVEC_THREADS,
                     smem as usize,
@@ -1260,7 +1261,7 @@ impl CudaBackend {
             return unsafe {
                 self.launch(
                     role,
-                    kernel,
+                    tokens_kernel,
                     cfg(
                         blocks as u32,
                         tokens.div_ceil(per_block) as u32,
@@ -1281,7 +1282,6 @@ impl CudaBackend {
             };
         }
         if tokens > 1 && mma_takes(w.bits, w.group, w.cols) {
-            let warps = MATVEC_THREADS as usize / 32;
             let resident = self.num_sms as usize * MMA_BLOCKS_PER_SM;
             let (tiles, ksplit) = mma_split(w.rows, w.cols, w.bits, resident * warps);
             let blocks = tiles.div_ceil(warps / ksplit).min(resident);
@@ -1311,13 +1311,6 @@ impl CudaBackend {
                 )
             };
         }
-        let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
-        let kernel = if rows_per_warp == 2 {
-            &self.k.matvec_two_rows
-        } else {
-            &self.k.matvec
-        };
-        let warps = MATVEC_THREADS as usize / 32;
         let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
         let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
         let cfg = LaunchConfig {
