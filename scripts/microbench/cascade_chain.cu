@@ -1,0 +1,524 @@
+// Microbenchmark (not part of lily): two ways of getting a decode kernel's weights on their way
+// before the kernel can run, on a chain of 40 dependent 4-bit mat-vecs (x RMS-normalised on
+// the way, as in lily), against lily's own kernels on the same random weights:
+//   lily        lily's `matvec` / `matvec_two_rows` (included from the kernel sources), launched
+//               as lily launches them (up to three persistent blocks per SM, programmatic
+//               dependent launch, a CUDA graph);
+//   resident    one block per SM, its contiguous slice of rows (weights, scales, biases) copied
+//               into shared memory by TMA bulk copies at its start, x staged by lily's stage()
+//               and each lane's chunks of it kept in registers for all of its rows;
+//                 late:  launch_dependents after the wait (as lily);
+//                 early: launch_dependents at the start, so that the next kernels' blocks become
+//                        resident as soon as shared memory allows and start their copies;
+//                 2/SM:  early, twice the blocks with half the rows each;
+//   streamer    lily's kernels, each marking in a counter that it has started, and beside them
+//               (a branch of the same graph) a kernel of 32 blocks that asks L2 for the weights
+//               of the next 1, 2 or 4 products (cp.async.bulk.prefetch.L2, 32 KB pieces); and the
+//               same branch with a kernel that exits at once, or only polls the counter.
+// The resident modes print where their time goes (globaltimer stamps per block) and how their
+// blocks were placed. Products given as ROWSxCOLS,... (COLS 2048 or 4096; repeated to 40; each
+// reads the first COLS outputs of the one before); an optional second argument masks the modes
+// (bit i: mode i, in the order printed).
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o cascade_chain scripts/microbench/cascade_chain.cu
+//   ./cascade_chain 12352x2048,2048x4096 [0x3ff]
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+// lily's kernels, as NVRTC sees them (its prelude spells out uint64_t differently from glibc).
+#define uint64_t lily_uint64_t
+#include "../../src/backend/cuda/kernels/common.cuh"
+#include "../../src/backend/cuda/kernels/rowdot.cuh"
+#include "../../src/backend/cuda/kernels/matvec.cu"
+#undef uint64_t
+
+#define CHECK(x)                                                                                  \
+    do {                                                                                          \
+        cudaError_t e = (x);                                                                      \
+        if (e != cudaSuccess) {                                                                   \
+            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));              \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+constexpr int PRODUCTS = 40;
+#ifndef RES_THREADS
+#define RES_THREADS 256
+#endif
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_to_shared(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile(
+            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+}
+__device__ __forceinline__ float lds_scale(uint32_t address) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(address));
+    return scale_bits_f32(v);
+}
+
+// The first row of resident block b of `blocks` (rows dealt as evenly as they divide).
+__host__ __device__ inline int resident_rows(int rows, int blocks, int b) { return (int)((long long)rows * b / blocks); }
+
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Shared memory: the block's rows (weights, scales, biases), then x staged as lily stages it,
+// then 64 floats of scratch. stamps (non-null): per block, globaltimer at start, after the wait,
+// after staging, after its weights arrived, at the end.
+template <int CPL>
+__global__ void __launch_bounds__(RES_THREADS) matvec_resident(Weight w, const float* x, const float* norm_scale,
+                                                               float eps, float* y, int early, int* smlog,
+                                                               unsigned long long* stamps) {
+    extern __shared__ __align__(16) float smem[];
+    __shared__ __align__(8) unsigned long long bar_storage;
+    const unsigned long long t0 = now_ns();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int r0 = resident_rows(w.rows, gridDim.x, blockIdx.x), r1 = resident_rows(w.rows, gridDim.x, blockIdx.x + 1);
+    const int nrows = r1 - r0;
+    const int row_bytes = w.cols / 2, groups = w.cols / 64;
+    const uint32_t ws = shared_address(smem);
+    const uint32_t ss = ws + nrows * row_bytes;
+    const uint32_t bs = ss + nrows * groups * 2;
+    float* xs = smem + (nrows * (row_bytes + groups * 4)) / 4;
+    float* scratch = xs + staged_floats(w.cols);
+    const uint32_t bar = shared_address(&bar_storage);
+    if (threadIdx.x == 0) {
+        if (smlog != nullptr) {
+            unsigned sm;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+            smlog[blockIdx.x] = (int)sm;
+        }
+        mbar_init(bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        const uint32_t wbytes = nrows * row_bytes, sbytes = nrows * groups * 2;
+        mbar_expect_tx(bar, wbytes + 2 * sbytes);
+        const char* src = static_cast<const char*>(w.data) + (size_t)r0 * row_bytes;
+        for (uint32_t off = 0; off < wbytes; off += 16384) bulk_to_shared(ws + off, src + off, min(16384u, wbytes - off), bar);
+        bulk_to_shared(ss, w.scales + (size_t)r0 * groups, sbytes, bar);
+        bulk_to_shared(bs, w.biases + (size_t)r0 * groups, sbytes, bar);
+    }
+    __syncthreads();
+    if (early) asm volatile("griddepcontrol.launch_dependents;" :::);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const unsigned long long t1 = now_ns();
+    if (!early) asm volatile("griddepcontrol.launch_dependents;" :::);
+    const StageSource src = {x, 0, w.cols, 1, nullptr};
+    const float inv = stage<4>(src, norm_scale, eps, xs, scratch);
+    const StagedX sx = staged_x<4>(xs, w.cols);
+    // This lane's chunks c = lane + 32 j of the staged x, kept in registers for every row.
+    uint4 xq[CPL][4];
+    float2 xst[CPL];
+#pragma unroll
+    for (int j = 0; j < CPL; ++j) {
+        const int c = lane + 32 * j;
+        load_x<4>(sx, c, xq[j]);
+        xst[j] = lds64(sx.csum + 8u * c);
+    }
+    const unsigned long long t2 = now_ns();
+    mbar_wait(bar, 0);
+    const unsigned long long t3 = now_ns();
+    for (int r = warp; r < nrows; r += 2 * warps) {
+        const int rr[2] = {r, r + warps};
+        float acc[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if (rr[i] >= nrows) continue;
+#pragma unroll
+            for (int j = 0; j < CPL; ++j) {
+                const int c = lane + 32 * j;
+                const uint4 u = lds128(ws + rr[i] * row_bytes + c * 16);
+                const uint32_t g = (rr[i] * groups + (c >> 1)) * 2;
+                const float s = lds_scale(ss + g), b = lds_scale(bs + g);
+                int q = word_dot4(u.x, xq[j][0], 0);
+                q = word_dot4(u.y, xq[j][1], q);
+                q = word_dot4(u.z, xq[j][2], q);
+                q = word_dot4(u.w, xq[j][3], q);
+                acc[i] = fmaf(s * xst[j].x, static_cast<float>(q), acc[i]);
+                acc[i] = fmaf(b, xst[j].y, acc[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float v = warp_sum(acc[i]) * inv;
+            if (lane == 0 && rr[i] < nrows) y[r0 + rr[i]] = v;
+        }
+    }
+    if (stamps != nullptr) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long* s = stamps + blockIdx.x * 5;
+            s[0] = t0, s[1] = t1, s[2] = t2, s[3] = t3, s[4] = now_ns();
+        }
+    }
+}
+
+
+// lily's mat-vecs with a progress mark: block 0 records that product `index` has started (so
+// every product before index - 1 has finished) for the streamer below.
+__device__ __forceinline__ void mark_progress(unsigned* progress, const unsigned* step, unsigned index) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const unsigned value = *(volatile const unsigned*)step * 64u + index;
+        asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(progress), "r"(value) : "memory");
+    }
+}
+extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows_marked(Weight w, const float* x, const float* norm_scale,
+                                                                         float eps, float* y, unsigned* progress,
+                                                                         const unsigned* step, unsigned mark) {
+    extern __shared__ __align__(16) float smem[];
+    mark_progress(progress, step, mark);
+    matvec_bits<2, 2>(w, x, norm_scale, eps, y, 0, smem);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) matvec_marked(Weight w, const float* x, const float* norm_scale,
+                                                                float eps, float* y, unsigned* progress, const unsigned* step, unsigned mark) {
+    extern __shared__ __align__(16) float smem[];
+    mark_progress(progress, step, mark);
+    matvec_bits<1, 4>(w, x, norm_scale, eps, y, 0, smem);
+}
+
+// The last launch of a replay: bumps the replay counter (after the last product).
+__global__ void bump_step(unsigned* step) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    *step += 1;
+}
+
+struct Range {
+    const char* p;
+    unsigned bytes;
+};
+
+// Runs beside the chain (its own branch of the graph): asks L2 for the weights of every product
+// up to `ahead` past the latest one started, each range split over the streamer's blocks in
+// pieces of at most 32 KB. ranges[3 i .. 3 i + 2]: product i's weights, scales, biases.
+__global__ void stream_weights(const Range* ranges, int products, int ahead, const unsigned* step,
+                               const unsigned* progress) {
+    const unsigned base = *(volatile const unsigned*)step * 64u;
+    int issued = 0;
+    while (issued < products) {
+        unsigned seen;
+        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(progress) : "memory");
+        const int started = seen >= base && seen < base + 64u ? (int)(seen - base) : -1;
+        if (ahead < 0) {
+            // Polling only: until the last product has started.
+            if (started == products - 1) return;
+            __nanosleep(200);
+            continue;
+        }
+        const int until = min(products, started + 1 + ahead);
+        if (issued >= until) {
+            __nanosleep(200);
+            continue;
+        }
+        for (; issued < until; ++issued) {
+            for (int k = 0; k < 3; ++k) {
+                const Range r = ranges[3 * issued + k];
+                // Piece j of the range: 32 KB pieces dealt over blocks and threads.
+                const unsigned pieces = (r.bytes + 32767u) / 32768u;
+                for (unsigned j = blockIdx.x * blockDim.x + threadIdx.x; j < pieces; j += gridDim.x * blockDim.x) {
+                    const unsigned off = j * 32768u, n = min(32768u, r.bytes - off);
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(r.p + off), "r"(n) : "memory");
+                }
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ uint32_t mix(uint32_t v) {
+    v ^= v >> 16;
+    v *= 0x7feb352du;
+    v ^= v >> 15;
+    v *= 0x846ca68bu;
+    v ^= v >> 16;
+    return v;
+}
+
+__global__ void fill_weights(uint32_t* data, scale_t* scales, scale_t* biases, size_t words, size_t groups, int cols,
+                             uint32_t seed) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride) data[i] = mix((uint32_t)i * 2654435761u ^ seed);
+    const float s0 = 1.0f / (4.0f * sqrtf((float)cols));
+    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
+        const float s = s0 * (0.5f + (mix((uint32_t)i ^ seed ^ 0x5bd1e995u) & 1023) / 1024.0f);
+        scales[i] = __float2bfloat16(s);
+        biases[i] = __float2bfloat16(-7.5f * s);
+    }
+}
+
+int main(int argc, char** argv) {
+    const char* spec = argc > 1 ? argv[1] : "12352x2048,2048x4096";
+    std::vector<std::pair<int, int>> shapes;
+    for (const char* p = spec; *p;) {
+        int r, c, n;
+        if (sscanf(p, "%dx%d%n", &r, &c, &n) != 2) { printf("bad shape list %s\n", spec); return 1; }
+        shapes.push_back({r, c});
+        p += n;
+        if (*p == ',') ++p;
+    }
+    int sms, max_smem;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    std::vector<Weight> layers(PRODUCTS);
+    size_t total_bytes = 0;
+    int max_rows = 0;
+    for (int i = 0; i < PRODUCTS; ++i) {
+        Weight& l = layers[i];
+        l.rows = shapes[i % shapes.size()].first;
+        l.cols = shapes[i % shapes.size()].second;
+        l.bits = 4;
+        l.group_shift = 6;
+        if ((l.cols != 2048 && l.cols != 4096) || (i > 0 && l.cols > std::max(layers[i - 1].rows, 4096))) {
+            printf("product %d: %dx%d does not chain\n", i, l.rows, l.cols);
+            return 1;
+        }
+        max_rows = std::max(max_rows, l.rows);
+        const size_t words = (size_t)l.rows * l.cols / 8, groups = (size_t)l.rows * l.cols / 64;
+        uint32_t* d;
+        scale_t *s, *b;
+        CHECK(cudaMalloc(&d, words * 4));
+        CHECK(cudaMalloc(&s, groups * 2));
+        CHECK(cudaMalloc(&b, groups * 2));
+        fill_weights<<<1024, 256>>>(d, s, b, words, groups, l.cols, 0x9E3779B9u * (i + 1));
+        l.data = d;
+        l.scales = s;
+        l.biases = b;
+        total_bytes += words * 4 + groups * 4;
+    }
+    const int x_len = std::max(max_rows, 8192);
+    std::vector<float> hx(x_len), ones(x_len, 1.0f);
+    for (int i = 0; i < x_len; ++i) hx[i] = std::sin(0.37f * i);
+    float *x0, *norm;
+    CHECK(cudaMalloc(&x0, x_len * 4));
+    CHECK(cudaMalloc(&norm, x_len * 4));
+    CHECK(cudaMemcpy(x0, hx.data(), x_len * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(norm, ones.data(), x_len * 4, cudaMemcpyHostToDevice));
+    std::vector<float*> ys(PRODUCTS);
+    for (int i = 0; i < PRODUCTS; ++i) {
+        CHECK(cudaMalloc(&ys[i], x_len * 4));
+        CHECK(cudaMemset(ys[i], 0, x_len * 4));
+    }
+    int* smlog;
+    CHECK(cudaMalloc(&smlog, PRODUCTS * 1024 * 4));
+    unsigned long long* stamps;
+    CHECK(cudaMalloc(&stamps, PRODUCTS * 1024 * 5 * 8));
+    cudaStream_t stream;
+    CHECK(cudaStreamCreate(&stream));
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    CHECK(cudaFuncSetAttribute(matvec_resident<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem - 1024));
+    CHECK(cudaFuncSetAttribute(matvec_resident<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem - 1024));
+    const float eps = 1e-6f;
+    const int reps = 200;
+    // mode: 0 lily; 1 resident late; 2 resident early; 3 resident early, two blocks per SM.
+    const char* names[] = {"lily matvec", "resident, late", "resident, early", "resident, early, 2/SM",
+                           "lily, marked, no streamer", "lily + L2 streamer, 1 ahead", "lily + L2 streamer, 2 ahead",
+                           "lily + L2 streamer, 4 ahead", "lily + empty side kernel", "lily + polling side kernel"};
+    const int modes = 10;
+    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1};
+    unsigned *step, *progress;
+    CHECK(cudaMalloc(&step, 4));
+    CHECK(cudaMalloc(&progress, 4));
+    CHECK(cudaMemset(step, 0, 4));
+    CHECK(cudaMemset(progress, 0xff, 4));
+    std::vector<Range> hranges;
+    for (const Weight& l : layers) {
+        const size_t groups = (size_t)l.rows * l.cols / 64;
+        hranges.push_back({(const char*)l.data, (unsigned)((size_t)l.rows * l.cols / 2)});
+        hranges.push_back({(const char*)l.scales, (unsigned)(groups * 2)});
+        hranges.push_back({(const char*)l.biases, (unsigned)(groups * 2)});
+    }
+    Range* ranges;
+    CHECK(cudaMalloc(&ranges, hranges.size() * sizeof(Range)));
+    CHECK(cudaMemcpy(ranges, hranges.data(), hranges.size() * sizeof(Range), cudaMemcpyHostToDevice));
+    cudaStream_t side;
+    CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    cudaEvent_t fork, join;
+    CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    std::vector<std::vector<float>> outs;
+    const int mask = argc > 2 ? (int)strtol(argv[2], nullptr, 0) : (1 << modes) - 1;
+    for (int mode = 0; mode < modes; ++mode) {
+        if (!(mask & (1 << mode))) {
+            outs.push_back({});
+            continue;
+        }
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        size_t max_block_smem = 0;
+        const bool marked = mode >= 4, streamed = mode >= 5;
+        if (streamed) {
+            CHECK(cudaEventRecord(fork, stream));
+            CHECK(cudaStreamWaitEvent(side, fork, 0));
+            stream_weights<<<32, 32, 0, side>>>(ranges, mode == 8 ? 0 : PRODUCTS, aheads[mode], step, progress);
+            CHECK(cudaEventRecord(join, side));
+        }
+        for (int i = 0; i < PRODUCTS; ++i) {
+            const Weight& l = layers[i];
+            const float* x = i == 0 ? x0 : ys[i - 1];
+            cudaLaunchConfig_t cfg = {};
+            cfg.stream = stream;
+            cfg.attrs = &attr;
+            cfg.numAttrs = 1;
+            int acc = 0;
+            if (marked) {
+                const int r = l.cols <= 2048 ? 2 : 1;
+                cfg.gridDim = dim3(std::min((l.rows + 8 * r - 1) / (8 * r), 3 * sms));
+                cfg.blockDim = dim3(256);
+                cfg.dynamicSmemBytes = (64 + staged_floats(l.cols)) * 4;
+                // Marks carry step * 64 + i (the streamer reads the step counter too).
+                unsigned* prog = progress;
+                const unsigned* st = step;
+                if (r == 2)
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec_two_rows_marked, l, x, (const float*)norm, eps, ys[i], prog, st,
+                                             (unsigned)i));
+                else
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec_marked, l, x, (const float*)norm, eps, ys[i], prog, st,
+                                             (unsigned)i));
+            } else if (mode == 0) {
+                const int r = l.cols <= 2048 ? 2 : 1;
+                cfg.gridDim = dim3(std::min((l.rows + 8 * r - 1) / (8 * r), 3 * sms));
+                cfg.blockDim = dim3(256);
+                cfg.dynamicSmemBytes = (64 + staged_floats(l.cols)) * 4;
+                if (r == 2)
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec_two_rows, l, x, (const float*)norm, eps, ys[i], acc));
+                else
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec, l, x, (const float*)norm, eps, ys[i], acc));
+            } else {
+                const int blocks = mode == 3 ? 2 * sms : sms;
+                int most = 0;
+                for (int b = 0; b < blocks; ++b)
+                    most = std::max(most, resident_rows(l.rows, blocks, b + 1) - resident_rows(l.rows, blocks, b));
+                cfg.gridDim = dim3(blocks);
+                cfg.blockDim = dim3(RES_THREADS);
+                cfg.dynamicSmemBytes = (size_t)most * (l.cols / 2 + l.cols / 64 * 4) + (staged_floats(l.cols) + 64) * 4;
+                max_block_smem = std::max(max_block_smem, cfg.dynamicSmemBytes);
+                const int early = mode >= 2;
+                int* log = smlog + i * 1024;
+                if (l.cols == 2048)
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec_resident<2>, l, x, (const float*)norm, eps, ys[i], early, log, stamps + (size_t)i * 1024 * 5));
+                else
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec_resident<4>, l, x, (const float*)norm, eps, ys[i], early, log, stamps + (size_t)i * 1024 * 5));
+            }
+        }
+        if (marked) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(1);
+            cfg.blockDim = dim3(1);
+            cfg.stream = stream;
+            cfg.attrs = &attr;
+            cfg.numAttrs = 1;
+            CHECK(cudaLaunchKernelEx(&cfg, bump_step, step));
+        }
+        if (streamed) CHECK(cudaStreamWaitEvent(stream, join, 0));
+        CHECK(cudaStreamEndCapture(stream, &graph));
+        CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int r = 0; r < 10; ++r) CHECK(cudaGraphLaunch(exec, stream));
+        CHECK(cudaStreamSynchronize(stream));
+        CHECK(cudaEventRecord(e0, stream));
+        for (int r = 0; r < reps; ++r) CHECK(cudaGraphLaunch(exec, stream));
+        CHECK(cudaEventRecord(e1, stream));
+        CHECK(cudaEventSynchronize(e1));
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        const double us = ms * 1e3 / reps;
+        printf("%-24s %8.1f us per chain, %6.2f us per product, %6.0f GB/s", names[mode], us, us / PRODUCTS,
+               total_bytes / (us * 1e3));
+        if (mode > 0 && mode < 4) {
+            // Blocks per SM of each product in the last replay: the most on one SM, SMs unused.
+            std::vector<int> h(PRODUCTS * 1024);
+            CHECK(cudaMemcpy(h.data(), smlog, h.size() * 4, cudaMemcpyDeviceToHost));
+            int worst = 0, unused = 0;
+            const int blocks = mode == 3 ? 2 * sms : sms;
+            for (int i = 0; i < PRODUCTS; ++i) {
+                std::vector<int> count(1024, 0);
+                for (int b = 0; b < blocks; ++b) count[h[i * 1024 + b] & 1023]++;
+                int used = 0;
+                for (int c : count) used += c > 0, worst = std::max(worst, c);
+                unused = std::max(unused, sms - used);
+            }
+            printf("  (block smem up to %zu B; most blocks on one SM %d, SMs unused up to %d)", max_block_smem, worst,
+                   unused);
+            // Phases per shape (us, means over its products after the first): block start, first
+            // wait passed, median staged, median weights arrived, median / last exit, all from
+            // the previous product's last exit; and the median copy time (weights arrived - start).
+            std::vector<unsigned long long> st(PRODUCTS * 1024 * 5);
+            CHECK(cudaMemcpy(st.data(), stamps, st.size() * 8, cudaMemcpyDeviceToHost));
+            const int kinds = (int)shapes.size();
+            std::vector<std::vector<double>> ph(kinds, std::vector<double>(8, 0.0));
+            std::vector<int> n(kinds, 0);
+            unsigned long long prev_end = 0;
+            for (int i = 0; i < PRODUCTS; ++i) {
+                std::vector<unsigned long long> v[5];
+                std::vector<long long> copy;
+                for (int b = 0; b < blocks; ++b) {
+                    for (int k = 0; k < 5; ++k) v[k].push_back(st[((size_t)i * 1024 + b) * 5 + k]);
+                    copy.push_back((long long)(st[((size_t)i * 1024 + b) * 5 + 3] - st[((size_t)i * 1024 + b) * 5 + 0]));
+                }
+                for (int k = 0; k < 5; ++k) std::sort(v[k].begin(), v[k].end());
+                std::sort(copy.begin(), copy.end());
+                const unsigned long long end = v[4].back();
+                if (i > 0) {
+                    const double p = (double)prev_end;
+                    std::vector<double>& q = ph[i % kinds];
+                    q[0] += (v[0][blocks / 2] - p) / 1e3;
+                    q[1] += (v[1].front() - p) / 1e3;
+                    q[2] += (v[2][blocks / 2] - p) / 1e3;
+                    q[3] += (v[3][blocks / 2] - p) / 1e3;
+                    q[4] += (v[4][blocks / 2] - p) / 1e3;
+                    q[5] += (end - p) / 1e3;
+                    q[6] += copy[blocks / 2] / 1e3;
+                    q[7] += copy.back() / 1e3;
+                    n[i % kinds]++;
+                }
+                prev_end = end;
+            }
+            for (int k = 0; k < kinds; ++k) {
+                const double m = n[k] ? 1.0 / n[k] : 0.0;
+                printf("\n    %dx%d: start %.2f, wait %.2f, staged %.2f, weights %.2f, exit %.2f / %.2f; copy %.2f (max %.2f)",
+                       shapes[k].first, shapes[k].second, ph[k][0] * m, ph[k][1] * m, ph[k][2] * m, ph[k][3] * m,
+                       ph[k][4] * m, ph[k][5] * m, ph[k][6] * m, ph[k][7] * m);
+            }
+        }
+        printf("\n");
+        std::vector<float> h(layers[PRODUCTS - 1].rows);
+        CHECK(cudaMemcpy(h.data(), ys[PRODUCTS - 1], h.size() * 4, cudaMemcpyDeviceToHost));
+        outs.push_back(h);
+        CHECK(cudaGraphExecDestroy(exec));
+        CHECK(cudaGraphDestroy(graph));
+    }
+    for (int mode = 1; mode < modes; ++mode) {
+        if (outs[mode].empty() || outs[0].empty()) continue;
+        double num = 0, den = 0;
+        for (size_t i = 0; i < outs[0].size(); ++i) {
+            num = std::max(num, (double)std::fabs(outs[0][i] - outs[mode][i]));
+            den = std::max(den, (double)std::fabs(outs[0][i]));
+        }
+        printf("%s: max |difference from lily| = %.3e of max %.3e\n", names[mode], num, den);
+    }
+    return 0;
+}
