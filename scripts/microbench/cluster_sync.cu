@@ -8,22 +8,11 @@
 // Also: the barrier alone (no exchange).
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o cluster_sync scripts/microbench/cluster_sync.cu && ./cluster_sync
 #include <cooperative_groups.h>
-#include <cuda_runtime.h>
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
+
+#include "chain_common.cuh"
 
 namespace cg = cooperative_groups;
-
-#define CHECK(x)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e = (x);                                                                      \
-        if (e != cudaSuccess) {                                                                   \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));              \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
 
 constexpr int N = 2048, THREADS = 256, BLOCKS = 128;
 
@@ -40,8 +29,7 @@ __global__ void __launch_bounds__(THREADS) cluster_chain(int hops, int exchange,
         const float* cur = buf[h & 1];
         float s = 0.0f;
         for (int i = threadIdx.x; i < N; i += THREADS) s += cur[i];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        s = warp_sum(s);
         if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
         __syncthreads();
         float total = 0.0f;

@@ -13,20 +13,9 @@
 // alone (their launch, ~5 us, is subtracted by timing a one-step launch).
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o grid_sync scripts/microbench/grid_sync.cu && ./grid_sync
 #include <cooperative_groups.h>
-#include <cuda_runtime.h>
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
 
-#define CHECK(x)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e = (x);                                                                      \
-        if (e != cudaSuccess) {                                                                   \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));              \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
+#include "chain_common.cuh"
 
 constexpr int N = 2048, THREADS = 256, HOPS = 64;
 
@@ -39,8 +28,7 @@ __device__ __forceinline__ void step(const float* x, float* y, float* red) {
         const float4 v = x4[i];
         s += (v.x + v.y) + (v.z + v.w);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = warp_sum(s);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
     __syncthreads();
     float total = 0.0f;
