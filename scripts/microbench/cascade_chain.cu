@@ -13,14 +13,17 @@
 //                 2/SM:  early, twice the blocks with half the rows each;
 //   streamer    lily's kernels, each marking in a counter that it has started, and beside them
 //               (a branch of the same graph) a kernel of 32 blocks that asks L2 for the weights
-//               of the next 1, 2 or 4 products (cp.async.bulk.prefetch.L2, 32 KB pieces); and the
+//               of the next 1, 2 or 4 products (cp.async.bulk.prefetch.L2, 32 KB pieces), all at
+//               once or paced at 1, 2 or 3 TB/s (so that the prefetches fill the time the chain
+//               leaves DRAM idle instead of arriving in one burst beside its reads), or as many
+//               bytes of a buffer the chain never reads (the traffic without its hits); and the
 //               same branch with a kernel that exits at once, or only polls the counter.
 // The resident modes print where their time goes (globaltimer stamps per block) and how their
 // blocks were placed. Products given as ROWSxCOLS,... (COLS 2048 or 4096; repeated to 40; each
 // reads the first COLS outputs of the one before); an optional second argument masks the modes
 // (bit i: mode i, in the order printed).
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o cascade_chain scripts/microbench/cascade_chain.cu
-//   ./cascade_chain 12352x2048,2048x4096 [0x3ff]
+//   ./cascade_chain 12352x2048,2048x4096 [0x7fff]
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cmath>
@@ -211,7 +214,7 @@ struct Range {
 // Runs beside the chain (its own branch of the graph): asks L2 for the weights of every product
 // up to `ahead` past the latest one started, each range split over the streamer's blocks in
 // pieces of at most 32 KB. ranges[3 i .. 3 i + 2]: product i's weights, scales, biases.
-__global__ void stream_weights(const Range* ranges, int products, int ahead, const unsigned* step,
+__global__ void stream_weights(const Range* ranges, int products, int ahead, unsigned pace, const unsigned* step,
                                const unsigned* progress) {
     const unsigned base = *(volatile const unsigned*)step * 64u;
     int issued = 0;
@@ -231,14 +234,21 @@ __global__ void stream_weights(const Range* ranges, int products, int ahead, con
             continue;
         }
         for (; issued < until; ++issued) {
+            // Paced: the piece at byte offset o of the product (its three ranges one after
+            // another) goes out no earlier than o / pace after the product's first piece.
+            const unsigned long long t0 = now_ns();
+            unsigned long long before = 0;
             for (int k = 0; k < 3; ++k) {
                 const Range r = ranges[3 * issued + k];
                 // Piece j of the range: 32 KB pieces dealt over blocks and threads.
                 const unsigned pieces = (r.bytes + 32767u) / 32768u;
                 for (unsigned j = blockIdx.x * blockDim.x + threadIdx.x; j < pieces; j += gridDim.x * blockDim.x) {
                     const unsigned off = j * 32768u, n = min(32768u, r.bytes - off);
+                    if (pace)
+                        while (now_ns() < t0 + (before + off) / pace) __nanosleep(100);
                     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(r.p + off), "r"(n) : "memory");
                 }
+                before += r.bytes;
             }
         }
     }
@@ -333,9 +343,16 @@ int main(int argc, char** argv) {
     // mode: 0 lily; 1 resident late; 2 resident early; 3 resident early, two blocks per SM.
     const char* names[] = {"lily matvec", "resident, late", "resident, early", "resident, early, 2/SM",
                            "lily, marked, no streamer", "lily + L2 streamer, 1 ahead", "lily + L2 streamer, 2 ahead",
-                           "lily + L2 streamer, 4 ahead", "lily + empty side kernel", "lily + polling side kernel"};
-    const int modes = 10;
-    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1};
+                           "lily + L2 streamer, 4 ahead", "lily + empty side kernel", "lily + polling side kernel",
+                           "streamer 1 ahead, 1 TB/s", "streamer 1 ahead, 2 TB/s", "streamer 1 ahead, 3 TB/s",
+                           "streamer of other bytes", "streamer of other bytes, 1 TB/s"};
+    const int modes = 15;
+    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1};
+    // Paced streamers: prefetched bytes per ns (1,000 = 1 TB/s); 0: all at once.
+    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000};
+    // Modes from 13 prefetch as many bytes per product from a buffer the chain never reads:
+    // the cost of the traffic alone, without its hits.
+    const int other_bytes_from = 13;
     unsigned *step, *progress;
     CHECK(cudaMalloc(&step, 4));
     CHECK(cudaMalloc(&progress, 4));
@@ -351,6 +368,17 @@ int main(int argc, char** argv) {
     Range* ranges;
     CHECK(cudaMalloc(&ranges, hranges.size() * sizeof(Range)));
     CHECK(cudaMemcpy(ranges, hranges.data(), hranges.size() * sizeof(Range), cudaMemcpyHostToDevice));
+    size_t other_total = 0;
+    for (const Range& r : hranges) other_total += (r.bytes + 255) / 256 * 256;
+    char* other;
+    CHECK(cudaMalloc(&other, other_total));
+    CHECK(cudaMemset(other, 0, other_total));
+    std::vector<Range> hother;
+    for (size_t i = 0, at = 0; i < hranges.size(); at += (hranges[i].bytes + 255) / 256 * 256, ++i)
+        hother.push_back({other + at, hranges[i].bytes});
+    Range* other_ranges;
+    CHECK(cudaMalloc(&other_ranges, hother.size() * sizeof(Range)));
+    CHECK(cudaMemcpy(other_ranges, hother.data(), hother.size() * sizeof(Range), cudaMemcpyHostToDevice));
     cudaStream_t side;
     CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     cudaEvent_t fork, join;
@@ -374,7 +402,8 @@ int main(int argc, char** argv) {
         if (streamed) {
             CHECK(cudaEventRecord(fork, stream));
             CHECK(cudaStreamWaitEvent(side, fork, 0));
-            stream_weights<<<32, 32, 0, side>>>(ranges, mode == 8 ? 0 : PRODUCTS, aheads[mode], step, progress);
+            stream_weights<<<32, 32, 0, side>>>(mode >= other_bytes_from ? other_ranges : ranges, mode == 8 ? 0 : PRODUCTS, aheads[mode], paces[mode], step,
+                                                progress);
             CHECK(cudaEventRecord(join, side));
         }
         for (int i = 0; i < PRODUCTS; ++i) {
