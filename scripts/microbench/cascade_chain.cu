@@ -16,14 +16,15 @@
 //               of the next 1, 2 or 4 products (cp.async.bulk.prefetch.L2, 32 KB pieces), all at
 //               once or paced at 1, 2 or 3 TB/s (so that the prefetches fill the time the chain
 //               leaves DRAM idle instead of arriving in one burst beside its reads), or as many
-//               bytes of a buffer the chain never reads (the traffic without its hits); and the
-//               same branch with a kernel that exits at once, or only polls the counter.
+//               bytes of a buffer the chain never reads (the traffic without its hits), or of
+//               that buffer's first 4 MB again and again (the prefetches without DRAM traffic);
+//               and the same branch with a kernel that exits at once, or only polls the counter.
 // The resident modes print where their time goes (globaltimer stamps per block) and how their
 // blocks were placed. Products given as ROWSxCOLS,... (COLS 2048 or 4096; repeated to 40; each
 // reads the first COLS outputs of the one before); an optional second argument masks the modes
 // (bit i: mode i, in the order printed).
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o cascade_chain scripts/microbench/cascade_chain.cu
-//   ./cascade_chain 12352x2048,2048x4096 [0x7fff]
+//   ./cascade_chain 12352x2048,2048x4096 [0x1ffff]
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cmath>
@@ -214,8 +215,8 @@ struct Range {
 // Runs beside the chain (its own branch of the graph): asks L2 for the weights of every product
 // up to `ahead` past the latest one started, each range split over the streamer's blocks in
 // pieces of at most 32 KB. ranges[3 i .. 3 i + 2]: product i's weights, scales, biases.
-__global__ void stream_weights(const Range* ranges, int products, int ahead, unsigned pace, const unsigned* step,
-                               const unsigned* progress) {
+__global__ void stream_weights(const Range* ranges, int products, int ahead, unsigned pace, unsigned wrap,
+                               const unsigned* step, const unsigned* progress) {
     const unsigned base = *(volatile const unsigned*)step * 64u;
     int issued = 0;
     while (issued < products) {
@@ -246,7 +247,10 @@ __global__ void stream_weights(const Range* ranges, int products, int ahead, uns
                     const unsigned off = j * 32768u, n = min(32768u, r.bytes - off);
                     if (pace)
                         while (now_ns() < t0 + (before + off) / pace) __nanosleep(100);
-                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(r.p + off), "r"(n) : "memory");
+                    // wrap: every piece from the first `wrap` bytes of the first range (pieces
+                    // that stay in L2).
+                    const char* at = wrap ? ranges[0].p + (((before + off) % wrap) & ~32767ull) : r.p + off;
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(n) : "memory");
                 }
                 before += r.bytes;
             }
@@ -345,14 +349,16 @@ int main(int argc, char** argv) {
                            "lily, marked, no streamer", "lily + L2 streamer, 1 ahead", "lily + L2 streamer, 2 ahead",
                            "lily + L2 streamer, 4 ahead", "lily + empty side kernel", "lily + polling side kernel",
                            "streamer 1 ahead, 1 TB/s", "streamer 1 ahead, 2 TB/s", "streamer 1 ahead, 3 TB/s",
-                           "streamer of other bytes", "streamer of other bytes, 1 TB/s"};
-    const int modes = 15;
-    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1};
+                           "streamer of other bytes", "streamer of other bytes, 1 TB/s",
+                           "streamer of 4 MB again", "streamer of 4 MB again, 1 TB/s"};
+    const int modes = 17;
+    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1};
     // Paced streamers: prefetched bytes per ns (1,000 = 1 TB/s); 0: all at once.
-    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000};
+    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000};
     // Modes from 13 prefetch as many bytes per product from a buffer the chain never reads:
-    // the cost of the traffic alone, without its hits.
-    const int other_bytes_from = 13;
+    // the cost of the traffic alone, without its hits; from 15 always its first 4 MB (after
+    // the first pass L2 hits: the prefetch instructions' cost without the DRAM traffic).
+    const int other_bytes_from = 13, wrap_from = 15;
     unsigned *step, *progress;
     CHECK(cudaMalloc(&step, 4));
     CHECK(cudaMalloc(&progress, 4));
@@ -402,7 +408,8 @@ int main(int argc, char** argv) {
         if (streamed) {
             CHECK(cudaEventRecord(fork, stream));
             CHECK(cudaStreamWaitEvent(side, fork, 0));
-            stream_weights<<<32, 32, 0, side>>>(mode >= other_bytes_from ? other_ranges : ranges, mode == 8 ? 0 : PRODUCTS, aheads[mode], paces[mode], step,
+            stream_weights<<<32, 32, 0, side>>>(mode >= other_bytes_from ? other_ranges : ranges, mode == 8 ? 0 : PRODUCTS, aheads[mode], paces[mode],
+                                                mode >= wrap_from ? 4u << 20 : 0u, step,
                                                 progress);
             CHECK(cudaEventRecord(join, side));
         }
