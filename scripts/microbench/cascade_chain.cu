@@ -18,13 +18,15 @@
 //               leaves DRAM idle instead of arriving in one burst beside its reads), or as many
 //               bytes of a buffer the chain never reads (the traffic without its hits), or of
 //               that buffer's first 4 MB again and again (the prefetches without DRAM traffic);
+//   copier      the same side kernel moving the bytes by TMA copies into a shared buffer instead
+//               (other bytes; the next product's weights, at once or paced at 2 TB/s);
 //               and the same branch with a kernel that exits at once, or only polls the counter.
 // The resident modes print where their time goes (globaltimer stamps per block) and how their
 // blocks were placed. Products given as ROWSxCOLS,... (COLS 2048 or 4096; repeated to 40; each
 // reads the first COLS outputs of the one before); an optional second argument masks the modes
 // (bit i: mode i, in the order printed).
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o cascade_chain scripts/microbench/cascade_chain.cu
-//   ./cascade_chain 12352x2048,2048x4096 [0x1ffff]
+//   ./cascade_chain 12352x2048,2048x4096 [0xfffff]
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cmath>
@@ -215,8 +217,20 @@ struct Range {
 // Runs beside the chain (its own branch of the graph): asks L2 for the weights of every product
 // up to `ahead` past the latest one started, each range split over the streamer's blocks in
 // pieces of at most 32 KB. ranges[3 i .. 3 i + 2]: product i's weights, scales, biases.
-__global__ void stream_weights(const Range* ranges, int products, int ahead, unsigned pace, unsigned wrap,
+// copy: TMA bulk copies into a 32 KB shared buffer (contents discarded) instead of L2 prefetches,
+// each thread with one copy in flight, tracked by its own mbarrier.
+__global__ void stream_weights(const Range* ranges, int products, int ahead, unsigned pace, unsigned wrap, int copy,
                                const unsigned* step, const unsigned* progress) {
+    extern __shared__ __align__(128) unsigned char sink[];
+    __shared__ __align__(8) unsigned long long bars[32];
+    const uint32_t bar = shared_address(&bars[threadIdx.x & 31]);
+    uint32_t parity = 0;
+    bool pending = false;
+    if (copy) {
+        mbar_init(bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
     const unsigned base = *(volatile const unsigned*)step * 64u;
     int issued = 0;
     while (issued < products) {
@@ -250,12 +264,23 @@ __global__ void stream_weights(const Range* ranges, int products, int ahead, uns
                     // wrap: every piece from the first `wrap` bytes of the first range (pieces
                     // that stay in L2).
                     const char* at = wrap ? ranges[0].p + (((before + off) % wrap) & ~32767ull) : r.p + off;
-                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(n) : "memory");
+                    if (copy) {
+                        if (pending) {
+                            mbar_wait(bar, parity);
+                            parity ^= 1;
+                        }
+                        mbar_expect_tx(bar, n);
+                        bulk_to_shared(shared_address(sink), at, n, bar);
+                        pending = true;
+                    } else {
+                        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(n) : "memory");
+                    }
                 }
                 before += r.bytes;
             }
         }
     }
+    if (pending) mbar_wait(bar, parity);
 }
 
 __device__ __forceinline__ uint32_t mix(uint32_t v) {
@@ -350,15 +375,18 @@ int main(int argc, char** argv) {
                            "lily + L2 streamer, 4 ahead", "lily + empty side kernel", "lily + polling side kernel",
                            "streamer 1 ahead, 1 TB/s", "streamer 1 ahead, 2 TB/s", "streamer 1 ahead, 3 TB/s",
                            "streamer of other bytes", "streamer of other bytes, 1 TB/s",
-                           "streamer of 4 MB again", "streamer of 4 MB again, 1 TB/s"};
-    const int modes = 17;
-    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1};
+                           "streamer of 4 MB again", "streamer of 4 MB again, 1 TB/s",
+                           "copier of other bytes", "copier 1 ahead", "copier 1 ahead, 2 TB/s"};
+    const int modes = 20;
+    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     // Paced streamers: prefetched bytes per ns (1,000 = 1 TB/s); 0: all at once.
-    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000};
+    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000, 0, 0, 2000};
     // Modes from 13 prefetch as many bytes per product from a buffer the chain never reads:
     // the cost of the traffic alone, without its hits; from 15 always its first 4 MB (after
     // the first pass L2 hits: the prefetch instructions' cost without the DRAM traffic).
-    const int other_bytes_from = 13, wrap_from = 15;
+    // Modes from 17 copy with TMA into shared memory instead (17: other bytes, 18-19: the
+    // weights of the next product).
+    const int other_bytes_from = 13, wrap_from = 15, copy_from = 17;
     unsigned *step, *progress;
     CHECK(cudaMalloc(&step, 4));
     CHECK(cudaMalloc(&progress, 4));
@@ -408,9 +436,11 @@ int main(int argc, char** argv) {
         if (streamed) {
             CHECK(cudaEventRecord(fork, stream));
             CHECK(cudaStreamWaitEvent(side, fork, 0));
-            stream_weights<<<32, 32, 0, side>>>(mode >= other_bytes_from ? other_ranges : ranges, mode == 8 ? 0 : PRODUCTS, aheads[mode], paces[mode],
-                                                mode >= wrap_from ? 4u << 20 : 0u, step,
-                                                progress);
+            const bool copies = mode >= copy_from, other_bytes = mode >= other_bytes_from && mode <= copy_from;
+            const unsigned wrap = mode >= wrap_from && !copies ? 4u << 20 : 0u;
+            stream_weights<<<32, 32, copies ? 32768 : 0, side>>>(other_bytes ? other_ranges : ranges,
+                                                                mode == 8 ? 0 : PRODUCTS, aheads[mode], paces[mode],
+                                                                wrap, copies, step, progress);
             CHECK(cudaEventRecord(join, side));
         }
         for (int i = 0; i < PRODUCTS; ++i) {
