@@ -20,13 +20,15 @@
 //               that buffer's first 4 MB again and again (the prefetches without DRAM traffic);
 //   copier      the same side kernel moving the bytes by TMA copies into a shared buffer instead
 //               (other bytes; the next product's weights, at once or paced at 2 TB/s);
+//   loader      8 whole-SM blocks reading the next product's weights (or other bytes) with
+//               plain loads; and the same blocks loading nothing (what taking 8 SMs costs);
 //               and the same branch with a kernel that exits at once, or only polls the counter.
 // The resident modes print where their time goes (globaltimer stamps per block) and how their
 // blocks were placed. Products given as ROWSxCOLS,... (COLS 2048 or 4096; repeated to 40; each
 // reads the first COLS outputs of the one before); an optional second argument masks the modes
 // (bit i: mode i, in the order printed).
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o cascade_chain scripts/microbench/cascade_chain.cu
-//   ./cascade_chain 12352x2048,2048x4096 [0xfffff]
+//   ./cascade_chain 12352x2048,2048x4096 [0x7fffff]
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cmath>
@@ -283,6 +285,52 @@ __global__ void stream_weights(const Range* ranges, int products, int ahead, uns
     if (pending) mbar_wait(bar, parity);
 }
 
+// The same beside the chain with plain loads (ld.global.cg: into L2, not L1), for the question
+// stream_weights leaves open: does ordinary read traffic of that volume stretch the chain too?
+// LOADER_BLOCKS blocks of 1,024 threads (whole SMs: plain loads need warps to keep bytes in
+// flight), 16 bytes per load, 8 in flight per thread, the values folded into `sink`. A
+// negative `ahead` loads nothing (the SMs taken, no traffic).
+#define LOADER_BLOCKS 8
+__global__ void __launch_bounds__(1024) stream_loads(const Range* ranges, int products, int ahead, const unsigned* step,
+                                                     const unsigned* progress, unsigned* sink) {
+    const unsigned base = *(volatile const unsigned*)step * 64u;
+    const unsigned threads = gridDim.x * blockDim.x, me = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned acc = 0;
+    int issued = 0;
+    while (issued < products) {
+        unsigned seen;
+        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(progress) : "memory");
+        const int started = seen >= base && seen < base + 64u ? (int)(seen - base) : -1;
+        if (ahead < 0) {
+            if (started == products - 1) break;
+            __nanosleep(200);
+            continue;
+        }
+        const int until = min(products, started + 1 + ahead);
+        if (issued >= until) {
+            __nanosleep(200);
+            continue;
+        }
+        for (; issued < until; ++issued)
+            for (int k = 0; k < 3; ++k) {
+                const Range r = ranges[3 * issued + k];
+                const uint4* p = reinterpret_cast<const uint4*>(r.p);
+                const unsigned units = r.bytes / 16;
+                for (unsigned u = me; u < units; u += 8 * threads) {
+                    uint4 v[8];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const unsigned at = u + j * threads;
+                        v[j] = at < units ? __ldcg(p + at) : make_uint4(0, 0, 0, 0);
+                    }
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+                }
+            }
+    }
+    if (acc == 0x12345678u) *sink = acc;  // keeps the loads
+}
+
 __device__ __forceinline__ uint32_t mix(uint32_t v) {
     v ^= v >> 16;
     v *= 0x7feb352du;
@@ -376,17 +424,21 @@ int main(int argc, char** argv) {
                            "streamer 1 ahead, 1 TB/s", "streamer 1 ahead, 2 TB/s", "streamer 1 ahead, 3 TB/s",
                            "streamer of other bytes", "streamer of other bytes, 1 TB/s",
                            "streamer of 4 MB again", "streamer of 4 MB again, 1 TB/s",
-                           "copier of other bytes", "copier 1 ahead", "copier 1 ahead, 2 TB/s"};
-    const int modes = 20;
-    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+                           "copier of other bytes", "copier 1 ahead", "copier 1 ahead, 2 TB/s",
+                           "loader SMs taken, no loads", "loader 1 ahead", "loader of other bytes"};
+    const int modes = 23;
+    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, 1, 1};
     // Paced streamers: prefetched bytes per ns (1,000 = 1 TB/s); 0: all at once.
-    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000, 0, 0, 2000};
+    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000, 0, 0, 2000, 0, 0, 0};
     // Modes from 13 prefetch as many bytes per product from a buffer the chain never reads:
     // the cost of the traffic alone, without its hits; from 15 always its first 4 MB (after
     // the first pass L2 hits: the prefetch instructions' cost without the DRAM traffic).
     // Modes from 17 copy with TMA into shared memory instead (17: other bytes, 18-19: the
     // weights of the next product).
-    const int other_bytes_from = 13, wrap_from = 15, copy_from = 17;
+    // Modes from 20 run stream_loads instead (22: other bytes).
+    const int other_bytes_from = 13, wrap_from = 15, copy_from = 17, loads_from = 20;
+    unsigned* sink;
+    CHECK(cudaMalloc(&sink, 4));
     unsigned *step, *progress;
     CHECK(cudaMalloc(&step, 4));
     CHECK(cudaMalloc(&progress, 4));
@@ -436,11 +488,16 @@ int main(int argc, char** argv) {
         if (streamed) {
             CHECK(cudaEventRecord(fork, stream));
             CHECK(cudaStreamWaitEvent(side, fork, 0));
-            const bool copies = mode >= copy_from, other_bytes = mode >= other_bytes_from && mode <= copy_from;
-            const unsigned wrap = mode >= wrap_from && !copies ? 4u << 20 : 0u;
-            stream_weights<<<32, 32, copies ? 32768 : 0, side>>>(other_bytes ? other_ranges : ranges,
-                                                                mode == 8 ? 0 : PRODUCTS, aheads[mode], paces[mode],
-                                                                wrap, copies, step, progress);
+            const bool copies = mode >= copy_from && mode < loads_from;
+            const bool other_bytes = (mode >= other_bytes_from && mode <= copy_from) || mode == 22;
+            const unsigned wrap = mode >= wrap_from && mode < copy_from ? 4u << 20 : 0u;
+            if (mode >= loads_from)
+                stream_loads<<<LOADER_BLOCKS, 1024, 0, side>>>(other_bytes ? other_ranges : ranges, PRODUCTS,
+                                                               aheads[mode], step, progress, sink);
+            else
+                stream_weights<<<32, 32, copies ? 32768 : 0, side>>>(other_bytes ? other_ranges : ranges,
+                                                                    mode == 8 ? 0 : PRODUCTS, aheads[mode],
+                                                                    paces[mode], wrap, copies, step, progress);
             CHECK(cudaEventRecord(join, side));
         }
         for (int i = 0; i < PRODUCTS; ++i) {
