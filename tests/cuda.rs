@@ -617,6 +617,31 @@ fn routing_with_a_short_last_run_of_experts_matches_the_cpu() {
     random_shape_matches_the_cpu(&fields, 60, 53, 7, "36 experts, top-8");
 }
 
+/// The proportions of the family's larger sibling (Qwen3.5-397B-A17B: 4 DeltaNet value heads
+/// per key head, 16 query heads per KV head, top-10 of 512 experts) rather than the 35B's 2, 8
+/// and top-8 of 256, scaled down: value heads sharing a key head four ways in the step, two
+/// tiles of 8 query heads per KV head in the decode attention, and 10 routed slots ranked from
+/// runs of 32 experts. A 70-token prompt's logits at every position, then greedy decode, against
+/// the CPU on random weights of that shape.
+#[test]
+fn the_larger_siblings_proportions_match_the_cpu() {
+    let fields = [
+        ("linear_num_key_heads", 2),
+        ("linear_num_value_heads", 8),
+        ("num_attention_heads", 32),
+        ("num_key_value_heads", 2),
+        ("num_experts", 64),
+        ("num_experts_per_tok", 10),
+    ];
+    random_shape_matches_the_cpu(
+        &fields,
+        70,
+        41,
+        3,
+        "value heads 4x key heads, 16 query heads per KV head, top-10 of 64",
+    );
+}
+
 /// The demo config with `fields` set, bf16 (converted to bf16 scales and biases, as real
 /// checkpoints are), on random weights: an f32 checkpoint directory `lily convert` takes.
 fn random_checkpoint(dir: &Path, fields: &[(&str, usize)]) -> PathBuf {
