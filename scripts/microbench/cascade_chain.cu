@@ -22,13 +22,20 @@
 //               (other bytes; the next product's weights, at once or paced at 2 TB/s);
 //   loader      8 whole-SM blocks reading the next product's weights (or other bytes) with
 //               plain loads; and the same blocks loading nothing (what taking 8 SMs costs);
+//   throttled   the copier as 4, 16 or 64 threads (as many 32 KB copies in flight);
+// Modes with a side branch also print the chain's own time, from its first launch to its last
+// product's end: the graph's time waits for the side branch too, which may end later.
 //               and the same branch with a kernel that exits at once, or only polls the counter.
 // The resident modes print where their time goes (globaltimer stamps per block) and how their
 // blocks were placed. Products given as ROWSxCOLS,... (COLS 2048 or 4096; repeated to 40; each
 // reads the first COLS outputs of the one before); an optional second argument masks the modes
 // (bit i: mode i, in the order printed).
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o cascade_chain scripts/microbench/cascade_chain.cu
-//   ./cascade_chain 12352x2048,2048x4096 [0x7fffff]
+//   ./cascade_chain 12352x2048,2048x4096 [0x3ffffff]
+// (0x3fe0031: lily, the prefetcher, the copiers, the loaders and the throttled copiers). Without
+// a GPU, `nvcc -c` checks that it compiles: pip-install nvidia-cuda-nvcc, nvidia-cuda-crt,
+// nvidia-cuda-cccl, nvidia-cuda-runtime and nvidia-nvvm, all 13.0.*, and pass
+// -I$C/include -I$C/include/cccl with C = site-packages/nvidia/cu13.
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cmath>
@@ -205,10 +212,16 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_marked(Weight w, con
     matvec_bits<1, 4>(w, x, norm_scale, eps, y, 0, smem);
 }
 
-// The last launch of a replay: bumps the replay counter (after the last product).
-__global__ void bump_step(unsigned* step) {
+// The first launch of a replay with marks: when the chain starts (t[0]).
+__global__ void chain_start(unsigned long long* t) { t[0] = now_ns(); }
+
+// The last launch of a replay: bumps the replay counter and adds the chain's own time (from
+// chain_start to the last product's end) to t[1]: the graph's time also waits for the side
+// branch, which may end later than the chain.
+__global__ void bump_step(unsigned* step, unsigned long long* t) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     *step += 1;
+    t[1] += now_ns() - t[0];
 }
 
 struct Range {
@@ -224,8 +237,8 @@ struct Range {
 __global__ void stream_weights(const Range* ranges, int products, int ahead, unsigned pace, unsigned wrap, int copy,
                                const unsigned* step, const unsigned* progress) {
     extern __shared__ __align__(128) unsigned char sink[];
-    __shared__ __align__(8) unsigned long long bars[32];
-    const uint32_t bar = shared_address(&bars[threadIdx.x & 31]);
+    __shared__ __align__(8) unsigned long long bars[1024];
+    const uint32_t bar = shared_address(&bars[threadIdx.x]);
     uint32_t parity = 0;
     bool pending = false;
     if (copy) {
@@ -425,20 +438,27 @@ int main(int argc, char** argv) {
                            "streamer of other bytes", "streamer of other bytes, 1 TB/s",
                            "streamer of 4 MB again", "streamer of 4 MB again, 1 TB/s",
                            "copier of other bytes", "copier 1 ahead", "copier 1 ahead, 2 TB/s",
-                           "loader SMs taken, no loads", "loader 1 ahead", "loader of other bytes"};
-    const int modes = 23;
-    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, 1, 1};
+                           "loader SMs taken, no loads", "loader 1 ahead", "loader of other bytes",
+                           "copier, 4 copies in flight", "copier, 16 in flight", "copier, 64 in flight"};
+    const int modes = 26;
+    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 1};
+    // Threads of the streamer (one block from 23 on: at most that many 32 KB copies in flight).
+    const int streamer_threads[] = {1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024,
+                                    1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 4, 16, 64};
     // Paced streamers: prefetched bytes per ns (1,000 = 1 TB/s); 0: all at once.
-    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000, 0, 0, 2000, 0, 0, 0};
+    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000, 0, 0, 2000, 0, 0, 0, 0, 0, 0};
     // Modes from 13 prefetch as many bytes per product from a buffer the chain never reads:
     // the cost of the traffic alone, without its hits; from 15 always its first 4 MB (after
     // the first pass L2 hits: the prefetch instructions' cost without the DRAM traffic).
     // Modes from 17 copy with TMA into shared memory instead (17: other bytes, 18-19: the
     // weights of the next product).
     // Modes from 20 run stream_loads instead (22: other bytes).
-    const int other_bytes_from = 13, wrap_from = 15, copy_from = 17, loads_from = 20;
+    // Modes from 23 copy the next product's weights with at most 4, 16 or 64 copies in flight.
+    const int other_bytes_from = 13, wrap_from = 15, copy_from = 17, loads_from = 20, throttled_from = 23;
     unsigned* sink;
     CHECK(cudaMalloc(&sink, 4));
+    unsigned long long* chain_time;
+    CHECK(cudaMalloc(&chain_time, 2 * sizeof(unsigned long long)));
     unsigned *step, *progress;
     CHECK(cudaMalloc(&step, 4));
     CHECK(cudaMalloc(&progress, 4));
@@ -488,18 +508,21 @@ int main(int argc, char** argv) {
         if (streamed) {
             CHECK(cudaEventRecord(fork, stream));
             CHECK(cudaStreamWaitEvent(side, fork, 0));
-            const bool copies = mode >= copy_from && mode < loads_from;
+            const bool copies = (mode >= copy_from && mode < loads_from) || mode >= throttled_from;
             const bool other_bytes = (mode >= other_bytes_from && mode <= copy_from) || mode == 22;
             const unsigned wrap = mode >= wrap_from && mode < copy_from ? 4u << 20 : 0u;
-            if (mode >= loads_from)
+            const int threads = streamer_threads[mode];
+            const dim3 sgrid(threads >= 32 ? threads / 32 : 1), sblock(threads >= 32 ? 32 : threads);
+            if (mode >= loads_from && mode < throttled_from)
                 stream_loads<<<LOADER_BLOCKS, 1024, 0, side>>>(other_bytes ? other_ranges : ranges, PRODUCTS,
                                                                aheads[mode], step, progress, sink);
             else
-                stream_weights<<<32, 32, copies ? 32768 : 0, side>>>(other_bytes ? other_ranges : ranges,
+                stream_weights<<<sgrid, sblock, copies ? 32768 : 0, side>>>(other_bytes ? other_ranges : ranges,
                                                                     mode == 8 ? 0 : PRODUCTS, aheads[mode],
                                                                     paces[mode], wrap, copies, step, progress);
             CHECK(cudaEventRecord(join, side));
         }
+        if (marked) chain_start<<<1, 1, 0, stream>>>(chain_time);
         for (int i = 0; i < PRODUCTS; ++i) {
             const Weight& l = layers[i];
             const float* x = i == 0 ? x0 : ys[i - 1];
@@ -555,13 +578,14 @@ int main(int argc, char** argv) {
             cfg.stream = stream;
             cfg.attrs = &attr;
             cfg.numAttrs = 1;
-            CHECK(cudaLaunchKernelEx(&cfg, bump_step, step));
+            CHECK(cudaLaunchKernelEx(&cfg, bump_step, step, chain_time));
         }
         if (streamed) CHECK(cudaStreamWaitEvent(stream, join, 0));
         CHECK(cudaStreamEndCapture(stream, &graph));
         CHECK(cudaGraphInstantiate(&exec, graph, 0));
         for (int r = 0; r < 10; ++r) CHECK(cudaGraphLaunch(exec, stream));
         CHECK(cudaStreamSynchronize(stream));
+        CHECK(cudaMemset(chain_time, 0, 2 * sizeof(unsigned long long)));
         CHECK(cudaEventRecord(e0, stream));
         for (int r = 0; r < reps; ++r) CHECK(cudaGraphLaunch(exec, stream));
         CHECK(cudaEventRecord(e1, stream));
@@ -571,6 +595,11 @@ int main(int argc, char** argv) {
         const double us = ms * 1e3 / reps;
         printf("%-24s %8.1f us per chain, %6.2f us per product, %6.0f GB/s", names[mode], us, us / PRODUCTS,
                total_bytes / (us * 1e3));
+        if (marked) {
+            unsigned long long t[2];
+            CHECK(cudaMemcpy(t, chain_time, sizeof t, cudaMemcpyDeviceToHost));
+            printf("  (the chain itself %.2f us per product)", t[1] / 1e3 / reps / PRODUCTS);
+        }
         if (mode > 0 && mode < 4) {
             // Blocks per SM of each product in the last replay: the most on one SM, SMs unused.
             std::vector<int> h(PRODUCTS * 1024);
