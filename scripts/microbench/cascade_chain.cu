@@ -50,14 +50,7 @@
 #include "../../src/backend/cuda/kernels/matvec.cu"
 #undef uint64_t
 
-#define CHECK(x)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e = (x);                                                                      \
-        if (e != cudaSuccess) {                                                                   \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));              \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
+#include "chain_host.h"
 
 constexpr int PRODUCTS = 40;
 #ifndef RES_THREADS
@@ -229,6 +222,24 @@ struct Range {
     unsigned bytes;
 };
 
+// How far a streamer beside the chain may go: polls the chain's marks (base: this replay's)
+// until products issued .. until - 1 may go out, `ahead` past the latest one started, and returns
+// `until`; a polling-only streamer (ahead < 0) gets -1 once the last product has started.
+__device__ int products_to_issue(const unsigned* progress, unsigned base, int products, int ahead, int issued) {
+    for (;;) {
+        unsigned seen;
+        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(progress) : "memory");
+        const int started = seen >= base && seen < base + 64u ? (int)(seen - base) : -1;
+        if (ahead < 0) {
+            if (started == products - 1) return -1;
+        } else {
+            const int until = min(products, started + 1 + ahead);
+            if (until > issued) return until;
+        }
+        __nanosleep(200);
+    }
+}
+
 // Runs beside the chain (its own branch of the graph): asks L2 for the weights of every product
 // up to `ahead` past the latest one started, each range split over the streamer's blocks in
 // pieces of at most 32 KB. ranges[3 i .. 3 i + 2]: product i's weights, scales, biases.
@@ -249,20 +260,8 @@ __global__ void stream_weights(const Range* ranges, int products, int ahead, uns
     const unsigned base = *(volatile const unsigned*)step * 64u;
     int issued = 0;
     while (issued < products) {
-        unsigned seen;
-        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(progress) : "memory");
-        const int started = seen >= base && seen < base + 64u ? (int)(seen - base) : -1;
-        if (ahead < 0) {
-            // Polling only: until the last product has started.
-            if (started == products - 1) return;
-            __nanosleep(200);
-            continue;
-        }
-        const int until = min(products, started + 1 + ahead);
-        if (issued >= until) {
-            __nanosleep(200);
-            continue;
-        }
+        const int until = products_to_issue(progress, base, products, ahead, issued);
+        if (until < 0) return;
         for (; issued < until; ++issued) {
             // Paced: the piece at byte offset o of the product (its three ranges one after
             // another) goes out no earlier than o / pace after the product's first piece.
@@ -311,19 +310,8 @@ __global__ void __launch_bounds__(1024) stream_loads(const Range* ranges, int pr
     unsigned acc = 0;
     int issued = 0;
     while (issued < products) {
-        unsigned seen;
-        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(progress) : "memory");
-        const int started = seen >= base && seen < base + 64u ? (int)(seen - base) : -1;
-        if (ahead < 0) {
-            if (started == products - 1) break;
-            __nanosleep(200);
-            continue;
-        }
-        const int until = min(products, started + 1 + ahead);
-        if (issued >= until) {
-            __nanosleep(200);
-            continue;
-        }
+        const int until = products_to_issue(progress, base, products, ahead, issued);
+        if (until < 0) break;
         for (; issued < until; ++issued)
             for (int k = 0; k < 3; ++k) {
                 const Range r = ranges[3 * issued + k];
@@ -368,13 +356,7 @@ __global__ void fill_weights(uint32_t* data, scale_t* scales, scale_t* biases, s
 int main(int argc, char** argv) {
     const char* spec = argc > 1 ? argv[1] : "12352x2048,2048x4096";
     std::vector<std::pair<int, int>> shapes;
-    for (const char* p = spec; *p;) {
-        int r, c, n;
-        if (sscanf(p, "%dx%d%n", &r, &c, &n) != 2) { printf("bad shape list %s\n", spec); return 1; }
-        shapes.push_back({r, c});
-        p += n;
-        if (*p == ',') ++p;
-    }
+    if (!parse_shapes(spec, shapes)) return 1;
     int sms, max_smem;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
@@ -442,9 +424,6 @@ int main(int argc, char** argv) {
                            "copier, 4 copies in flight", "copier, 16 in flight", "copier, 64 in flight"};
     const int modes = 26;
     const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 1};
-    // Threads of the streamer (one block from 23 on: at most that many 32 KB copies in flight).
-    const int streamer_threads[] = {1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024,
-                                    1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 4, 16, 64};
     // Paced streamers: prefetched bytes per ns (1,000 = 1 TB/s); 0: all at once.
     const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000, 0, 0, 2000, 0, 0, 0, 0, 0, 0};
     // Modes from 13 prefetch as many bytes per product from a buffer the chain never reads:
@@ -511,7 +490,8 @@ int main(int argc, char** argv) {
             const bool copies = (mode >= copy_from && mode < loads_from) || mode >= throttled_from;
             const bool other_bytes = (mode >= other_bytes_from && mode <= copy_from) || mode == 22;
             const unsigned wrap = mode >= wrap_from && mode < copy_from ? 4u << 20 : 0u;
-            const int threads = streamer_threads[mode];
+            // Threads of the streamer: 1,024, or for the throttled copiers as many as copies in flight.
+            const int threads = mode >= throttled_from ? 4 << 2 * (mode - throttled_from) : 1024;
             const dim3 sgrid(threads >= 32 ? threads / 32 : 1), sblock(threads >= 32 ? 32 : threads);
             if (mode >= loads_from && mode < throttled_from)
                 stream_loads<<<LOADER_BLOCKS, 1024, 0, side>>>(other_bytes ? other_ranges : ranges, PRODUCTS,
@@ -586,13 +566,7 @@ int main(int argc, char** argv) {
         for (int r = 0; r < 10; ++r) CHECK(cudaGraphLaunch(exec, stream));
         CHECK(cudaStreamSynchronize(stream));
         CHECK(cudaMemset(chain_time, 0, 2 * sizeof(unsigned long long)));
-        CHECK(cudaEventRecord(e0, stream));
-        for (int r = 0; r < reps; ++r) CHECK(cudaGraphLaunch(exec, stream));
-        CHECK(cudaEventRecord(e1, stream));
-        CHECK(cudaEventSynchronize(e1));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        const double us = ms * 1e3 / reps;
+        const double us = replay_us(exec, stream, reps, e0, e1);
         printf("%-24s %8.1f us per chain, %6.2f us per product, %6.0f GB/s", names[mode], us, us / PRODUCTS,
                total_bytes / (us * 1e3));
         if (marked) {

@@ -1,4 +1,4 @@
-// What the chain microbenchmarks share (not part of lily): 4-bit weights in 16-byte chunks of 32
+// What the chain microbenchmarks share on the device (not part of lily): 4-bit weights in 16-byte chunks of 32
 // nibbles with a half2 (scale, bias) per 64 values, x staged as half2, one chunk's dot, the
 // row requests and the random weights.
 #pragma once
@@ -9,14 +9,7 @@
 #include <vector>
 #include <cmath>
 
-#define CHECK(x)                                                                               \
-    do {                                                                                       \
-        cudaError_t e = (x);                                                                   \
-        if (e != cudaSuccess) {                                                                \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));           \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include "chain_host.h"
 
 struct Layer {
     const uint4* w;      // [rows][cols / 32] chunks

@@ -126,13 +126,7 @@ int main() {
         CHECK(cudaStreamEndCapture(s, &graph));
         CHECK(cudaGraphInstantiate(&exec, graph, 0));
         for (int r = 0; r < 10; ++r) CHECK(cudaGraphLaunch(exec, s));
-        CHECK(cudaEventRecord(e0, s));
-        for (int r = 0; r < reps; ++r) CHECK(cudaGraphLaunch(exec, s));
-        CHECK(cudaEventRecord(e1, s));
-        CHECK(cudaEventSynchronize(e1));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        printf("%-12s %6.3f us per step\n", "pdl", ms * 1e3 / reps / HOPS);
+        printf("%-12s %6.3f us per step\n", "pdl", replay_us(exec, s, reps, e0, e1) / HOPS);
         CHECK(cudaMemcpy(ref.data(), hb[HOPS], N * 4, cudaMemcpyDeviceToHost));
     }
     // Persistent: each launch timed alone; a one-step launch of the same kernel is subtracted.

@@ -116,13 +116,7 @@ __global__ void unpack(const uint2* yf, float* y, int n) {
 int main(int argc, char** argv) {
     const char* spec = argc > 1 ? argv[1] : "4096x2048,2048x4096";
     std::vector<std::pair<int, int>> shapes;
-    for (const char* p = spec; *p;) {
-        int r, c, n;
-        if (sscanf(p, "%dx%d%n", &r, &c, &n) != 2) { printf("bad shape list %s\n", spec); return 1; }
-        shapes.push_back({r, c});
-        p += n;
-        if (*p == ',') ++p;
-    }
+    if (!parse_shapes(spec, shapes)) return 1;
     int sms;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     std::vector<Layer> layers(PRODUCTS);
@@ -207,13 +201,7 @@ int main(int argc, char** argv) {
         CHECK(cudaGraphInstantiate(&exec, graph, 0));
         for (int r = 0; r < 10; ++r) CHECK(cudaGraphLaunch(exec, stream));
         CHECK(cudaStreamSynchronize(stream));
-        CHECK(cudaEventRecord(e0, stream));
-        for (int r = 0; r < reps; ++r) CHECK(cudaGraphLaunch(exec, stream));
-        CHECK(cudaEventRecord(e1, stream));
-        CHECK(cudaEventSynchronize(e1));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        const double us = ms * 1e3 / reps;
+        const double us = replay_us(exec, stream, reps, e0, e1);
         printf("%-26s %8.1f us per chain, %6.2f us per product, %6.0f GB/s\n", names[mode], us, us / PRODUCTS,
                total_bytes / (us * 1e3));
         // The second product's outputs (the first read from flagged pairs; later ones fall below

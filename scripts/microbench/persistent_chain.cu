@@ -228,13 +228,7 @@ int main() {
     CHECK(cudaGraphInstantiate(&exec, graph, 0));
     CHECK(cudaGraphLaunch(exec, stream));
     CHECK(cudaStreamSynchronize(stream));
-    CHECK(cudaEventRecord(e0, stream));
-    for (int r = 0; r < reps; ++r) CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(e1, stream));
-    CHECK(cudaEventSynchronize(e1));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    const double sep_us = ms * 1e3 / reps;
+    const double sep_us = replay_us(exec, stream, reps, e0, e1);
     printf("separate (PDL graph)     %8.1f us per chain, %6.2f us per product, %6.0f GB/s\n", sep_us, sep_us / LAYERS,
            total_bytes / (sep_us * 1e3));
 
@@ -265,6 +259,7 @@ int main() {
             CHECK(cudaGetLastError());
             CHECK(cudaEventRecord(e1, stream));
             CHECK(cudaEventSynchronize(e1));
+            float ms;
             CHECK(cudaEventElapsedTime(&ms, e0, e1));
             if (r > 0) total += ms;
         }

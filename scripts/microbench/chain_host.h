@@ -1,0 +1,45 @@
+// Host-side helpers of the chain microbenchmarks (not part of lily): error checks, the shape
+// list argument, timing a graph's replays. Apart from chain_common.cuh so that cascade_chain.cu,
+// which includes lily's own device helpers instead, can use them too.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdio>
+#include <cstdlib>
+#include <utility>
+#include <vector>
+
+#define CHECK(x)                                                                               \
+    do {                                                                                       \
+        cudaError_t e = (x);                                                                   \
+        if (e != cudaSuccess) {                                                                \
+            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));           \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+// "ROWSxCOLS,ROWSxCOLS,..." into (rows, cols) pairs; false (with a message) on anything else.
+inline bool parse_shapes(const char* spec, std::vector<std::pair<int, int>>& shapes) {
+    for (const char* p = spec; *p;) {
+        int r, c, n;
+        if (sscanf(p, "%dx%d%n", &r, &c, &n) != 2) {
+            printf("bad shape list %s\n", spec);
+            return false;
+        }
+        shapes.push_back({r, c});
+        p += n;
+        if (*p == ',') ++p;
+    }
+    return true;
+}
+
+// Microseconds per replay of `exec`, replayed `reps` times back to back on `s` (warm-ups are
+// the caller's).
+inline double replay_us(cudaGraphExec_t exec, cudaStream_t s, int reps, cudaEvent_t e0, cudaEvent_t e1) {
+    CHECK(cudaEventRecord(e0, s));
+    for (int r = 0; r < reps; ++r) CHECK(cudaGraphLaunch(exec, s));
+    CHECK(cudaEventRecord(e1, s));
+    CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    return ms * 1e3 / reps;
+}
