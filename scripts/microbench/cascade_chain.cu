@@ -23,9 +23,10 @@
 //   loader      8 whole-SM blocks reading the next product's weights (or other bytes) with
 //               plain loads; and the same blocks loading nothing (what taking 8 SMs costs);
 //   throttled   the copier as 4, 16 or 64 threads (as many 32 KB copies in flight);
-// Modes with a side branch also print the chain's own time, from its first launch to its last
-// product's end: the graph's time waits for the side branch too, which may end later.
 //               and the same branch with a kernel that exits at once, or only polls the counter.
+// Modes with a side branch also print the chain's own time, from its first launch to its last
+// product's end: the graph's time waits for the side branch too, which may end later (and in
+// every streamer mode measured, does: docs/BENCHMARKS.md, "What a redesign would buy").
 // The resident modes print where their time goes (globaltimer stamps per block) and how their
 // blocks were placed. Products given as ROWSxCOLS,... (COLS 2048 or 4096; repeated to 40; each
 // reads the first COLS outputs of the one before); an optional second argument masks the modes
