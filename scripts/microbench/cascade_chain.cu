@@ -23,7 +23,13 @@
 //   loader      8 whole-SM blocks reading the next product's weights (or other bytes) with
 //               plain loads; and the same blocks loading nothing (what taking 8 SMs costs);
 //   throttled   the copier as 4, 16 or 64 threads (as many 32 KB copies in flight);
-//               and the same branch with a kernel that exits at once, or only polls the counter.
+//               and the same branch with a kernel that exits at once, or only polls the counter;
+//   warmer      the chain's grids sized for WARM_BLOCKS fewer SMs, and on those SMs (a block each,
+//               holding most of the SM's shared memory so that no chain block lands there) plain
+//               loads of the next 1-2 products' weights into L2, skipping products it has fallen
+//               behind: of the products the third argument marks (bit j: shape j of the list; the
+//               routed experts' rows, say, cannot be read before their routing) or of all; and
+//               the same SMs taken with nothing loaded. Does a warmer that stays ahead pay for its SMs?
 // Modes with a side branch also print the chain's own time, from its first launch to its last
 // product's end: the graph's time waits for the side branch too, which may end later (and in
 // every streamer mode measured, does: docs/BENCHMARKS.md, "What a redesign would buy").
@@ -32,8 +38,10 @@
 // reads the first COLS outputs of the one before); an optional second argument masks the modes
 // (bit i: mode i, in the order printed).
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o cascade_chain scripts/microbench/cascade_chain.cu
-//   ./cascade_chain 12352x2048,2048x4096 [0x3ffffff]
-// (0x3fe0031: lily, the prefetcher, the copiers, the loaders and the throttled copiers). Without
+//   ./cascade_chain 12352x2048,2048x4096 [MODES [WARMED_SHAPES]]
+// (0x3fe0031: lily, the prefetcher, the copiers, the loaders and the throttled copiers;
+// 0x3c000010: lily marked and the warmers, e.g. with shapes 12352x2048,2048x2048,2048x4096,
+// 1024x2048,8192x2048,2048x4096 and the third argument 0xd). Without
 // a GPU, `nvcc -c` checks that it compiles: pip-install nvidia-cuda-nvcc, nvidia-cuda-crt,
 // nvidia-cuda-cccl, nvidia-cuda-runtime and nvidia-nvvm, all 13.0.*, and pass
 // -I$C/include -I$C/include/cccl with C = site-packages/nvidia/cu13.
@@ -206,8 +214,15 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_marked(Weight w, con
     matvec_bits<1, 4>(w, x, norm_scale, eps, y, 0, smem);
 }
 
-// The first launch of a replay with marks: when the chain starts (t[0]).
-__global__ void chain_start(unsigned long long* t) { t[0] = now_ns(); }
+// The first launch of a replay with marks: when the chain starts (t[0]), once `need` side blocks
+// have checked in at `ready` (the warmer's: placed before the chain's blocks fill the SMs).
+__global__ void chain_start(unsigned long long* t, unsigned* ready, unsigned need) {
+    if (need) {
+        while (*(volatile unsigned*)ready < need) __nanosleep(100);
+        *ready = 0;
+    }
+    t[0] = now_ns();
+}
 
 // The last launch of a replay: bumps the replay counter and adds the chain's own time (from
 // chain_start to the last product's end) to t[1]: the graph's time also waits for the side
@@ -226,11 +241,16 @@ struct Range {
 // How far a streamer beside the chain may go: polls the chain's marks (base: this replay's)
 // until products issued .. until - 1 may go out, `ahead` past the latest one started, and returns
 // `until`; a polling-only streamer (ahead < 0) gets -1 once the last product has started.
+// The latest product of this replay (base: its marks) to have started, -1 before the first.
+__device__ __forceinline__ int latest_started(const unsigned* progress, unsigned base) {
+    unsigned seen;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(progress) : "memory");
+    return seen >= base && seen < base + 64u ? (int)(seen - base) : -1;
+}
+
 __device__ int products_to_issue(const unsigned* progress, unsigned base, int products, int ahead, int issued) {
     for (;;) {
-        unsigned seen;
-        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(progress) : "memory");
-        const int started = seen >= base && seen < base + 64u ? (int)(seen - base) : -1;
+        const int started = latest_started(progress, base);
         if (ahead < 0) {
             if (started == products - 1) return -1;
         } else {
@@ -333,6 +353,51 @@ __global__ void __launch_bounds__(1024) stream_loads(const Range* ranges, int pr
     if (acc == 0x12345678u) *sink = acc;  // keeps the loads
 }
 
+// The warmer: WARM_BLOCKS blocks of 1,024 threads, one per SM (the launch asks for most of the
+// SM's shared memory), loading with plain 16-byte loads (8 in flight per thread) the weights of
+// the products after the latest one started, up to `ahead` past it, that `warmed` marks (bit
+// i % shapes of product i); products it has fallen behind are skipped, not loaded late. A
+// negative `ahead` loads nothing until the last product has started.
+#define WARM_BLOCKS 16
+__global__ void __launch_bounds__(1024) warm_l2(const Range* ranges, int products, int ahead, unsigned warmed, int shapes,
+                                                const unsigned* step, const unsigned* progress, unsigned* ready,
+                                                unsigned* sink) {
+    if (threadIdx.x == 0) atomicAdd(ready, 1u);
+    const unsigned base = *(volatile const unsigned*)step * 64u;
+    const unsigned threads = gridDim.x * blockDim.x, me = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned acc = 0;
+    int next = 0;
+    for (;;) {
+        const int started = latest_started(progress, base);
+        if (started == products - 1) break;
+        const int until = ahead < 0 ? 0 : min(products, started + 1 + ahead);
+        next = max(next, started + 1);
+        if (next >= until) {
+            __nanosleep(100);
+            continue;
+        }
+        for (; next < until; ++next) {
+            if (!(warmed >> (next % shapes) & 1u)) continue;
+            for (int k = 0; k < 3; ++k) {
+                const Range r = ranges[3 * next + k];
+                const uint4* p = reinterpret_cast<const uint4*>(r.p);
+                const unsigned units = r.bytes / 16;
+                for (unsigned u = me; u < units; u += 8 * threads) {
+                    uint4 v[8];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const unsigned at = u + j * threads;
+                        v[j] = at < units ? __ldcg(p + at) : make_uint4(0, 0, 0, 0);
+                    }
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+                }
+            }
+        }
+    }
+    if (acc == 0x12345678u) *sink = acc;  // keeps the loads
+}
+
 __device__ __forceinline__ uint32_t mix(uint32_t v) {
     v ^= v >> 16;
     v *= 0x7feb352du;
@@ -422,21 +487,31 @@ int main(int argc, char** argv) {
                            "streamer of 4 MB again", "streamer of 4 MB again, 1 TB/s",
                            "copier of other bytes", "copier 1 ahead", "copier 1 ahead, 2 TB/s",
                            "loader SMs taken, no loads", "loader 1 ahead", "loader of other bytes",
-                           "copier, 4 copies in flight", "copier, 16 in flight", "copier, 64 in flight"};
-    const int modes = 26;
-    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 1};
+                           "copier, 4 copies in flight", "copier, 16 in flight", "copier, 64 in flight",
+                           "warmer SMs taken, no loads", "warmer of marked, 2 ahead", "warmer of all, 2 ahead",
+                           "warmer of marked, 1 ahead"};
+    const int modes = 30;
+    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 1, -1, 2, 2, 1};
     // Paced streamers: prefetched bytes per ns (1,000 = 1 TB/s); 0: all at once.
-    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000, 0, 0, 2000, 0, 0, 0, 0, 0, 0};
+    const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000, 0, 0, 2000, 0, 0, 0, 0, 0, 0,
+                              0, 0, 0, 0};
     // Modes from 13 prefetch as many bytes per product from a buffer the chain never reads:
     // the cost of the traffic alone, without its hits; from 15 always its first 4 MB (after
     // the first pass L2 hits: the prefetch instructions' cost without the DRAM traffic).
     // Modes from 17 copy with TMA into shared memory instead (17: other bytes, 18-19: the
     // weights of the next product).
     // Modes from 20 run stream_loads instead (22: other bytes).
-    // Modes from 23 copy the next product's weights with at most 4, 16 or 64 copies in flight.
-    const int other_bytes_from = 13, wrap_from = 15, copy_from = 17, loads_from = 20, throttled_from = 23;
-    unsigned* sink;
+    // Modes 23-25 copy the next product's weights with at most 4, 16 or 64 copies in flight.
+    // Modes from 26 run warm_l2 on WARM_BLOCKS SMs, the chain's grids sized for the others.
+    const int other_bytes_from = 13, wrap_from = 15, copy_from = 17, loads_from = 20, throttled_from = 23,
+              warm_from = 26;
+    const unsigned all_shapes = (1u << shapes.size()) - 1;
+    const unsigned warmed = argc > 3 ? (unsigned)strtoul(argv[3], nullptr, 0) : all_shapes;
+    CHECK(cudaFuncSetAttribute(warm_l2, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
+    unsigned *sink, *ready;
     CHECK(cudaMalloc(&sink, 4));
+    CHECK(cudaMalloc(&ready, 4));
+    CHECK(cudaMemset(ready, 0, 4));
     unsigned long long* chain_time;
     CHECK(cudaMalloc(&chain_time, 2 * sizeof(unsigned long long)));
     unsigned *step, *progress;
@@ -488,13 +563,17 @@ int main(int argc, char** argv) {
         if (streamed) {
             CHECK(cudaEventRecord(fork, stream));
             CHECK(cudaStreamWaitEvent(side, fork, 0));
-            const bool copies = (mode >= copy_from && mode < loads_from) || mode >= throttled_from;
+            const bool copies = (mode >= copy_from && mode < loads_from) || (mode >= throttled_from && mode < warm_from);
             const bool other_bytes = (mode >= other_bytes_from && mode <= copy_from) || mode == 22;
             const unsigned wrap = mode >= wrap_from && mode < copy_from ? 4u << 20 : 0u;
             // Threads of the streamer: 1,024, or for the throttled copiers as many as copies in flight.
             const int threads = mode >= throttled_from ? 4 << 2 * (mode - throttled_from) : 1024;
             const dim3 sgrid(threads >= 32 ? threads / 32 : 1), sblock(threads >= 32 ? 32 : threads);
-            if (mode >= loads_from && mode < throttled_from)
+            if (mode >= warm_from)
+                warm_l2<<<WARM_BLOCKS, 1024, max_smem, side>>>(ranges, PRODUCTS, aheads[mode],
+                                                                       mode == 28 ? all_shapes : warmed,
+                                                                       (int)shapes.size(), step, progress, ready, sink);
+            else if (mode >= loads_from && mode < throttled_from)
                 stream_loads<<<LOADER_BLOCKS, 1024, 0, side>>>(other_bytes ? other_ranges : ranges, PRODUCTS,
                                                                aheads[mode], step, progress, sink);
             else
@@ -503,7 +582,8 @@ int main(int argc, char** argv) {
                                                                     paces[mode], wrap, copies, step, progress);
             CHECK(cudaEventRecord(join, side));
         }
-        if (marked) chain_start<<<1, 1, 0, stream>>>(chain_time);
+        if (marked) chain_start<<<1, 1, 0, stream>>>(chain_time, ready, mode >= warm_from ? WARM_BLOCKS : 0);
+        const int chain_sms = mode >= warm_from ? sms - WARM_BLOCKS : sms;
         for (int i = 0; i < PRODUCTS; ++i) {
             const Weight& l = layers[i];
             const float* x = i == 0 ? x0 : ys[i - 1];
@@ -514,7 +594,7 @@ int main(int argc, char** argv) {
             int acc = 0;
             if (marked) {
                 const int r = l.cols <= 2048 ? 2 : 1;
-                cfg.gridDim = dim3(std::min((l.rows + 8 * r - 1) / (8 * r), 3 * sms));
+                cfg.gridDim = dim3(std::min((l.rows + 8 * r - 1) / (8 * r), 3 * chain_sms));
                 cfg.blockDim = dim3(256);
                 cfg.dynamicSmemBytes = (64 + staged_floats(l.cols)) * 4;
                 // Marks carry step * 64 + i (the streamer reads the step counter too).
