@@ -11,6 +11,8 @@
 //                 early: launch_dependents at the start, so that the next kernels' blocks become
 //                        resident as soon as shared memory allows and start their copies;
 //                 2/SM:  early, twice the blocks with half the rows each;
+//                 cp.async: late or early, the slice copied by every thread with 16-byte
+//                        cp.async (LDGSTS, through the load path) instead of TMA bulk copies;
 //   streamer    lily's kernels, each marking in a counter that it has started, and beside them
 //               (a branch of the same graph) a kernel of 32 blocks that asks L2 for the weights
 //               of the next 1, 2 or 4 products (cp.async.bulk.prefetch.L2, 32 KB pieces), all at
@@ -39,7 +41,7 @@
 // (bit i: mode i, in the order printed).
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o cascade_chain scripts/microbench/cascade_chain.cu
 //   ./cascade_chain 12352x2048,2048x4096 [MODES [WARMED_SHAPES]]
-// (0x3fe0031: lily, the prefetcher, the copiers, the loaders and the throttled copiers;
+// (0xc000000f: lily and the resident kernels, TMA and cp.async; 0x3fe0031: lily, the prefetcher, the copiers, the loaders and the throttled copiers;
 // 0x3c000010: lily marked and the warmers, e.g. with shapes 12352x2048,2048x2048,2048x4096,
 // 1024x2048,8192x2048,2048x4096 and the third argument 0xd). Without
 // a GPU, `nvcc -c` checks that it compiles: pip-install nvidia-cuda-nvcc, nvidia-cuda-crt,
@@ -106,7 +108,7 @@ __device__ __forceinline__ unsigned long long now_ns() {
 // after staging, after its weights arrived, at the end.
 template <int CPL>
 __global__ void __launch_bounds__(RES_THREADS) matvec_resident(Weight w, const float* x, const float* norm_scale,
-                                                               float eps, float* y, int early, int* smlog,
+                                                               float eps, float* y, int early, int ldgsts, int* smlog,
                                                                unsigned long long* stamps) {
     extern __shared__ __align__(16) float smem[];
     __shared__ __align__(8) unsigned long long bar_storage;
@@ -121,12 +123,25 @@ __global__ void __launch_bounds__(RES_THREADS) matvec_resident(Weight w, const f
     float* xs = smem + (nrows * (row_bytes + groups * 4)) / 4;
     float* scratch = xs + staged_floats(w.cols);
     const uint32_t bar = shared_address(&bar_storage);
-    if (threadIdx.x == 0) {
-        if (smlog != nullptr) {
-            unsigned sm;
-            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-            smlog[blockIdx.x] = (int)sm;
-        }
+    if (threadIdx.x == 0 && smlog != nullptr) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        smlog[blockIdx.x] = (int)sm;
+    }
+    if (ldgsts) {
+        // The weights, scales and biases in 16-byte pieces over every thread.
+        const uint32_t wbytes = nrows * row_bytes, sbytes = nrows * groups * 2;
+        const char* srcs[3] = {static_cast<const char*>(w.data) + (size_t)r0 * row_bytes,
+                               reinterpret_cast<const char*>(w.scales + (size_t)r0 * groups),
+                               reinterpret_cast<const char*>(w.biases + (size_t)r0 * groups)};
+        const uint32_t dsts[3] = {ws, ss, bs}, sizes[3] = {wbytes, sbytes, sbytes};
+#pragma unroll
+        for (int k = 0; k < 3; ++k)
+            for (uint32_t off = threadIdx.x * 16u; off < sizes[k]; off += blockDim.x * 16u)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dsts[k] + off), "l"(srcs[k] + off)
+                             : "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    } else if (threadIdx.x == 0) {
         mbar_init(bar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         const uint32_t wbytes = nrows * row_bytes, sbytes = nrows * groups * 2;
@@ -154,7 +169,12 @@ __global__ void __launch_bounds__(RES_THREADS) matvec_resident(Weight w, const f
         xst[j] = lds64(sx.csum + 8u * c);
     }
     const unsigned long long t2 = now_ns();
-    mbar_wait(bar, 0);
+    if (ldgsts) {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+    } else {
+        mbar_wait(bar, 0);
+    }
     const unsigned long long t3 = now_ns();
     for (int r = warp; r < nrows; r += 2 * warps) {
         const int rr[2] = {r, r + warps};
@@ -489,12 +509,12 @@ int main(int argc, char** argv) {
                            "loader SMs taken, no loads", "loader 1 ahead", "loader of other bytes",
                            "copier, 4 copies in flight", "copier, 16 in flight", "copier, 64 in flight",
                            "warmer SMs taken, no loads", "warmer of marked, 2 ahead", "warmer of all, 2 ahead",
-                           "warmer of marked, 1 ahead"};
-    const int modes = 30;
-    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 1, -1, 2, 2, 1};
+                           "warmer of marked, 1 ahead", "resident, late, cp.async", "resident, early, cp.async"};
+    const int modes = 32;
+    const int aheads[] = {0, 0, 0, 0, 0, 1, 2, 4, 0, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 1, -1, 2, 2, 1, 0, 0};
     // Paced streamers: prefetched bytes per ns (1,000 = 1 TB/s); 0: all at once.
     const unsigned paces[] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1000, 2000, 3000, 0, 1000, 0, 1000, 0, 0, 2000, 0, 0, 0, 0, 0, 0,
-                              0, 0, 0, 0};
+                              0, 0, 0, 0, 0, 0};
     // Modes from 13 prefetch as many bytes per product from a buffer the chain never reads:
     // the cost of the traffic alone, without its hits; from 15 always its first 4 MB (after
     // the first pass L2 hits: the prefetch instructions' cost without the DRAM traffic).
@@ -504,7 +524,7 @@ int main(int argc, char** argv) {
     // Modes 23-25 copy the next product's weights with at most 4, 16 or 64 copies in flight.
     // Modes from 26 run warm_l2 on WARM_BLOCKS SMs, the chain's grids sized for the others.
     const int other_bytes_from = 13, wrap_from = 15, copy_from = 17, loads_from = 20, throttled_from = 23,
-              warm_from = 26;
+              warm_from = 26, ldgsts_from = 30;
     const unsigned all_shapes = (1u << shapes.size()) - 1;
     const unsigned warmed = argc > 3 ? (unsigned)strtoul(argv[3], nullptr, 0) : all_shapes;
     CHECK(cudaFuncSetAttribute(warm_l2, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
@@ -546,9 +566,9 @@ int main(int argc, char** argv) {
     CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
     CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
     std::vector<std::vector<float>> outs;
-    const int mask = argc > 2 ? (int)strtol(argv[2], nullptr, 0) : (1 << modes) - 1;
+    const unsigned long long mask = argc > 2 ? strtoull(argv[2], nullptr, 0) : (1ull << modes) - 1;
     for (int mode = 0; mode < modes; ++mode) {
-        if (!(mask & (1 << mode))) {
+        if (!(mask >> mode & 1)) {
             outs.push_back({});
             continue;
         }
@@ -559,7 +579,9 @@ int main(int argc, char** argv) {
         attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = 1;
         size_t max_block_smem = 0;
-        const bool marked = mode >= 4, streamed = mode >= 5;
+        // Modes 1-3 and from 30 run matvec_resident; 4-29 lily's kernels with marks.
+        const bool resident = (mode >= 1 && mode < 4) || mode >= ldgsts_from;
+        const bool marked = mode >= 4 && !resident, streamed = mode >= 5 && !resident;
         if (streamed) {
             CHECK(cudaEventRecord(fork, stream));
             CHECK(cudaStreamWaitEvent(side, fork, 0));
@@ -624,12 +646,12 @@ int main(int argc, char** argv) {
                 cfg.blockDim = dim3(RES_THREADS);
                 cfg.dynamicSmemBytes = (size_t)most * (l.cols / 2 + l.cols / 64 * 4) + (staged_floats(l.cols) + 64) * 4;
                 max_block_smem = std::max(max_block_smem, cfg.dynamicSmemBytes);
-                const int early = mode >= 2;
+                const int early = mode == 2 || mode == 3 || mode == 31, ldgsts = mode >= ldgsts_from;
                 int* log = smlog + i * 1024;
                 if (l.cols == 2048)
-                    CHECK(cudaLaunchKernelEx(&cfg, matvec_resident<2>, l, x, (const float*)norm, eps, ys[i], early, log, stamps + (size_t)i * 1024 * 5));
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec_resident<2>, l, x, (const float*)norm, eps, ys[i], early, ldgsts, log, stamps + (size_t)i * 1024 * 5));
                 else
-                    CHECK(cudaLaunchKernelEx(&cfg, matvec_resident<4>, l, x, (const float*)norm, eps, ys[i], early, log, stamps + (size_t)i * 1024 * 5));
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec_resident<4>, l, x, (const float*)norm, eps, ys[i], early, ldgsts, log, stamps + (size_t)i * 1024 * 5));
             }
         }
         if (marked) {
@@ -655,7 +677,7 @@ int main(int argc, char** argv) {
             CHECK(cudaMemcpy(t, chain_time, sizeof t, cudaMemcpyDeviceToHost));
             printf("  (the chain itself %.2f us per product)", t[1] / 1e3 / reps / PRODUCTS);
         }
-        if (mode > 0 && mode < 4) {
+        if (resident) {
             // Blocks per SM of each product in the last replay: the most on one SM, SMs unused.
             std::vector<int> h(PRODUCTS * 1024);
             CHECK(cudaMemcpy(h.data(), smlog, h.size() * 4, cudaMemcpyDeviceToHost));
