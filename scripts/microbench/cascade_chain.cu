@@ -338,53 +338,59 @@ __global__ void stream_weights(const Range* ranges, int products, int ahead, uns
     if (pending) mbar_wait(bar, parity);
 }
 
-// The same beside the chain with plain loads (ld.global.cg: into L2, not L1), for the question
-// stream_weights leaves open: does ordinary read traffic of that volume stretch the chain too?
-// LOADER_BLOCKS blocks of 1,024 threads (whole SMs: plain loads need warps to keep bytes in
-// flight), 16 bytes per load, 8 in flight per thread, the values folded into `sink`. A
+// Reads product i's weights, scales and biases with plain loads (ld.global.cg: into L2, not L1)
+// over every thread of the grid, 16 bytes per load, 8 in flight per thread; returns them folded
+// (for the caller to keep the loads).
+__device__ unsigned load_product(const Range* ranges, int i) {
+    const unsigned threads = gridDim.x * blockDim.x, me = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned acc = 0;
+    for (int k = 0; k < 3; ++k) {
+        const Range r = ranges[3 * i + k];
+        const uint4* p = reinterpret_cast<const uint4*>(r.p);
+        const unsigned units = r.bytes / 16;
+        for (unsigned u = me; u < units; u += 8 * threads) {
+            uint4 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const unsigned at = u + j * threads;
+                v[j] = at < units ? __ldcg(p + at) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+        }
+    }
+    return acc;
+}
+
+// The same beside the chain with plain loads (load_product), for the question stream_weights
+// leaves open: does ordinary read traffic of that volume stretch the chain too? LOADER_BLOCKS
+// blocks of 1,024 threads (whole SMs: plain loads need warps to keep bytes in flight). A
 // negative `ahead` loads nothing (the SMs taken, no traffic).
 #define LOADER_BLOCKS 8
 __global__ void __launch_bounds__(1024) stream_loads(const Range* ranges, int products, int ahead, const unsigned* step,
                                                      const unsigned* progress, unsigned* sink) {
     const unsigned base = *(volatile const unsigned*)step * 64u;
-    const unsigned threads = gridDim.x * blockDim.x, me = blockIdx.x * blockDim.x + threadIdx.x;
     unsigned acc = 0;
     int issued = 0;
     while (issued < products) {
         const int until = products_to_issue(progress, base, products, ahead, issued);
         if (until < 0) break;
-        for (; issued < until; ++issued)
-            for (int k = 0; k < 3; ++k) {
-                const Range r = ranges[3 * issued + k];
-                const uint4* p = reinterpret_cast<const uint4*>(r.p);
-                const unsigned units = r.bytes / 16;
-                for (unsigned u = me; u < units; u += 8 * threads) {
-                    uint4 v[8];
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const unsigned at = u + j * threads;
-                        v[j] = at < units ? __ldcg(p + at) : make_uint4(0, 0, 0, 0);
-                    }
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-                }
-            }
+        for (; issued < until; ++issued) acc ^= load_product(ranges, issued);
     }
     if (acc == 0x12345678u) *sink = acc;  // keeps the loads
 }
 
 // The warmer: WARM_BLOCKS blocks of 1,024 threads, one per SM (the launch asks for most of the
-// SM's shared memory), loading with plain 16-byte loads (8 in flight per thread) the weights of
-// the products after the latest one started, up to `ahead` past it, that `warmed` marks (bit
-// i % shapes of product i); products it has fallen behind are skipped, not loaded late. A
-// negative `ahead` loads nothing until the last product has started.
+// SM's shared memory), loading (load_product) the weights of the products after the latest one
+// started, up to `ahead` past it, that `warmed` marks (bit i % shapes of product i); products it
+// has fallen behind are skipped, not loaded late. A negative `ahead` loads nothing until the
+// last product has started.
 #define WARM_BLOCKS 16
 __global__ void __launch_bounds__(1024) warm_l2(const Range* ranges, int products, int ahead, unsigned warmed, int shapes,
                                                 const unsigned* step, const unsigned* progress, unsigned* ready,
                                                 unsigned* sink) {
     if (threadIdx.x == 0) atomicAdd(ready, 1u);
     const unsigned base = *(volatile const unsigned*)step * 64u;
-    const unsigned threads = gridDim.x * blockDim.x, me = blockIdx.x * blockDim.x + threadIdx.x;
     unsigned acc = 0;
     int next = 0;
     for (;;) {
@@ -396,24 +402,8 @@ __global__ void __launch_bounds__(1024) warm_l2(const Range* ranges, int product
             __nanosleep(100);
             continue;
         }
-        for (; next < until; ++next) {
-            if (!(warmed >> (next % shapes) & 1u)) continue;
-            for (int k = 0; k < 3; ++k) {
-                const Range r = ranges[3 * next + k];
-                const uint4* p = reinterpret_cast<const uint4*>(r.p);
-                const unsigned units = r.bytes / 16;
-                for (unsigned u = me; u < units; u += 8 * threads) {
-                    uint4 v[8];
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const unsigned at = u + j * threads;
-                        v[j] = at < units ? __ldcg(p + at) : make_uint4(0, 0, 0, 0);
-                    }
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-                }
-            }
-        }
+        for (; next < until; ++next)
+            if (warmed >> (next % shapes) & 1u) acc ^= load_product(ranges, next);
     }
     if (acc == 0x12345678u) *sink = acc;  // keeps the loads
 }

@@ -1,6 +1,6 @@
-// What the chain microbenchmarks share on the device (not part of lily): 4-bit weights in 16-byte chunks of 32
-// nibbles with a half2 (scale, bias) per 64 values, x staged as half2, one chunk's dot, the
-// row requests and the random weights.
+// What the chain microbenchmarks share on the device (not part of lily): 4-bit weights in
+// 16-byte chunks of 32 nibbles with a half2 (scale, bias) per 64 values, x staged as half2, one
+// chunk's dot, the row requests and the random weights.
 #pragma once
 #include <cuda_fp16.h>
 #include <cstdio>

@@ -3,6 +3,7 @@
 // which includes lily's own device helpers instead, can use them too.
 #pragma once
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <utility>
@@ -42,4 +43,23 @@ inline double replay_us(cudaGraphExec_t exec, cudaStream_t s, int reps, cudaEven
     float ms;
     CHECK(cudaEventElapsedTime(&ms, e0, e1));
     return ms * 1e3 / reps;
+}
+
+// Median microseconds of `reps` runs, each `prepare()` (not timed) then `run()` between two
+// events recorded on `s`.
+template <class Prepare, class Run>
+float median_us(int reps, cudaStream_t s, cudaEvent_t e0, cudaEvent_t e1, Prepare prepare, Run run) {
+    std::vector<float> t;
+    for (int r = 0; r < reps; ++r) {
+        prepare();
+        CHECK(cudaEventRecord(e0, s));
+        run();
+        CHECK(cudaEventRecord(e1, s));
+        CHECK(cudaEventSynchronize(e1));
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        t.push_back(ms * 1e3f);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
 }

@@ -55,29 +55,19 @@ int main() {
     CHECK(cudaFuncSetAttribute(cluster_chain, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     for (int size : {4, 8, 16}) {
         for (int exchange = 0; exchange < 2; ++exchange) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(BLOCKS);
+            cfg.blockDim = dim3(THREADS);
+            cudaLaunchAttribute attr;
+            attr.id = cudaLaunchAttributeClusterDimension;
+            attr.val.clusterDim.x = size;
+            attr.val.clusterDim.y = 1;
+            attr.val.clusterDim.z = 1;
+            cfg.attrs = &attr;
+            cfg.numAttrs = 1;
             auto time = [&](int hops) {
-                std::vector<float> t;
-                for (int r = 0; r < 30; ++r) {
-                    cudaLaunchConfig_t cfg = {};
-                    cfg.gridDim = dim3(BLOCKS);
-                    cfg.blockDim = dim3(THREADS);
-                    cudaLaunchAttribute attr;
-                    attr.id = cudaLaunchAttributeClusterDimension;
-                    attr.val.clusterDim.x = size;
-                    attr.val.clusterDim.y = 1;
-                    attr.val.clusterDim.z = 1;
-                    cfg.attrs = &attr;
-                    cfg.numAttrs = 1;
-                    CHECK(cudaEventRecord(e0));
-                    CHECK(cudaLaunchKernelEx(&cfg, cluster_chain, hops, exchange, out));
-                    CHECK(cudaEventRecord(e1));
-                    CHECK(cudaEventSynchronize(e1));
-                    float ms;
-                    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-                    t.push_back(ms * 1e3f);
-                }
-                std::sort(t.begin(), t.end());
-                return t[t.size() / 2];
+                return median_us(30, 0, e0, e1, [] {},
+                                 [&] { CHECK(cudaLaunchKernelEx(&cfg, cluster_chain, hops, exchange, out)); });
             };
             const int hops = 256;
             const float one = time(1), all = time(hops);

@@ -144,21 +144,12 @@ int main() {
             }
         };
         auto time = [&](int hops) {
-            std::vector<float> t;
-            for (int r = 0; r < 50; ++r) {
-                // Counters run on from one launch to the next: each launch waits for base + sms.
+            // Counters run on from one launch to the next: each launch waits for base + sms.
+            auto reset = [&] {
                 CHECK(cudaMemsetAsync(counters, 0, HOPS * 4, s));
                 base = 0;
-                CHECK(cudaEventRecord(e0, s));
-                launch(hops);
-                CHECK(cudaEventRecord(e1, s));
-                CHECK(cudaEventSynchronize(e1));
-                float ms;
-                CHECK(cudaEventElapsedTime(&ms, e0, e1));
-                t.push_back(ms * 1e3f);
-            }
-            std::sort(t.begin(), t.end());
-            return t[t.size() / 2];
+            };
+            return median_us(50, s, e0, e1, reset, [&] { launch(hops); });
         };
         const float one = time(1), all = time(HOPS);
         printf("%-12s %6.3f us per step (launch of %d steps %.1f us, of one %.1f us)\n", names[mode],
