@@ -76,7 +76,7 @@ impl CudaBackend {
 
         let gdn = DeltaNetShape::of(c).context("DeltaNet shape checked at construction")?;
         let gdn_dims = DeltaNetDims::new(c, gdn.splits);
-        let attn_dims = AttentionDims::new(c, self.max_context, ATTENTION_SPLITS);
+        let attn_dims = AttentionDims::new(c, self.max_context, self.attention_splits);
         let moe_buffers = MoeBuffers {
             router_logits: p(&sc.router_logits),
             act: p(&sc.act),

@@ -68,10 +68,11 @@ const DOWN_ROWS_PER_WARP: usize = 1;
 /// Most tokens a block of `moe_gate_up_tokens` takes (MOE_TOKENS_PER_BLOCK).
 const MOE_TOKENS_PER_BLOCK: usize = 8;
 /// Most context splits of attention decode (flash-decoding); a split covers whole rounds of its
-/// warps' tiles, at least 64 positions.
+/// warps' tiles, at least 128 positions. A step takes at most `decode_attention_splits`.
 const ATTENTION_SPLITS: usize = 256;
-/// Warps of an `attention_split` block (DECODE_WARPS), each with its own tiles of positions.
-const ATTENTION_WARPS: usize = 4;
+/// Warps of an `attention_split` block (DECODE_WARPS), each with its own tiles of positions:
+/// eight rather than four halve the splits the combine merges (docs/BENCHMARKS.md).
+const ATTENTION_WARPS: usize = 8;
 /// Positions of an `attention_split` warp tile (DECODE_TILE): its keys and values are staged in
 /// shared memory as bf16.
 const ATTENTION_TILE: usize = 16;
@@ -410,6 +411,16 @@ impl BatchTables {
     }
 }
 
+/// Most context splits of attention decode on a GPU of `num_sms` SMs: as many `attention_split`
+/// blocks as are resident at once (each KV head's query tiles take a block per split), so that a
+/// long context's splits run in one wave of blocks, each taking more of the context's tiles,
+/// rather than in two; at most ATTENTION_SPLITS.
+fn decode_attention_splits(c: &ModelConfig, num_sms: usize, smem_per_sm: usize) -> usize {
+    let per_sm = (smem_per_sm / (decode::attention_split_smem(c.head_dim) as usize + 1024)).max(1);
+    let tiles = (c.num_attention_heads / c.num_key_value_heads).div_ceil(ATTENTION_HEADS);
+    (num_sms * per_sm / (c.num_key_value_heads * tiles).max(1)).clamp(1, ATTENTION_SPLITS)
+}
+
 /// Where attention decode keeps each context split's running maximum, sum and unnormalised
 /// output (device addresses).
 struct AttentionSplits {
@@ -726,6 +737,9 @@ pub struct CudaBackend {
     max_context: usize,
     use_graphs: bool,
     num_sms: u32,
+    /// Most context splits of a decode step's attention: as many blocks as fit on the GPU at
+    /// once (see `decode_attention_splits`).
+    attention_splits: usize,
     /// Dynamic shared memory `moe_down` asks for (see `moe_down_smem`).
     down_smem: u32,
     /// Dynamic shared memory a block of `moe_gate_up_tokens` may take: two to an SM.
@@ -1021,6 +1035,7 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
         )? as u32;
         let down_smem = moe_down_smem(c, smem_per_sm);
+        let attention_splits = decode_attention_splits(c, num_sms as usize, smem_per_sm as usize);
         // Each block also reserves 1 KB, and the kernels' static arrays take a few hundred bytes.
         let moe_tokens_smem = (smem_per_sm as usize / 2)
             .saturating_sub(2048)
@@ -1042,6 +1057,7 @@ impl CudaBackend {
             max_context: opts.max_context,
             use_graphs: opts.use_graphs,
             num_sms,
+            attention_splits,
             down_smem,
             moe_tokens_smem,
             prefill: Mutex::new(prefill),
@@ -1944,6 +1960,35 @@ mod tests {
         assert_eq!(moe_token_blocks(8, gate_up, 114 * 1024), (8, 1));
         assert_eq!(staged_floats_bits(2048, 8), 2176);
         assert_eq!(staged_floats_bits(2048, 16), 2048);
+    }
+
+    #[test]
+    fn decode_attention_splits_fill_one_wave_of_blocks() {
+        let h200 = (132, 228 * 1024);
+        // The full-size model: head_dim 256 (135 KB of tiles, one block per SM), 2 KV heads of 8
+        // query heads each: 66 splits of the context, 132 blocks.
+        let c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
+        assert_eq!(
+            decode::attention_split_smem(c.head_dim),
+            8 * 2 * 16 * 264 * 2
+        );
+        assert_eq!(decode_attention_splits(&c, h200.0, h200.1), 66);
+        // head_dim 128 (69 KB: three blocks per SM), 16 query heads per KV head (two tiles of
+        // eight): 132 * 3 / (2 * 2).
+        let mut narrow = c.clone();
+        narrow.head_dim = 128;
+        narrow.num_attention_heads = 32;
+        assert_eq!(decode_attention_splits(&narrow, h200.0, h200.1), 99);
+        // At most ATTENTION_SPLITS, and at least one however many blocks a split takes.
+        narrow.num_key_value_heads = 1;
+        narrow.num_attention_heads = 8;
+        assert_eq!(
+            decode_attention_splits(&narrow, 1000, h200.1),
+            ATTENTION_SPLITS
+        );
+        narrow.num_key_value_heads = 64;
+        narrow.num_attention_heads = 1024;
+        assert_eq!(decode_attention_splits(&narrow, 8, h200.1), 1);
     }
 
     #[test]

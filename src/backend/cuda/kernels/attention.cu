@@ -139,7 +139,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
 // softmax rescaling stays in registers. Q and P are rounded to bf16, as in prefill.
 
 #define DECODE_TILE 16   // positions per warp tile (the mma's m)
-#define DECODE_WARPS 4
+#define DECODE_WARPS 8
 #define DECODE_HEADS 8   // query heads per block (the mma's n)
 #define DECODE_ROW_PAD 8  // bf16 after each shared row: the 8 rows one ldmatrix reads fall in distinct banks
 
