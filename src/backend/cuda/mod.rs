@@ -411,14 +411,14 @@ impl BatchTables {
     }
 }
 
-/// Most context splits of attention decode on a GPU of `num_sms` SMs: as many `attention_split`
-/// blocks as are resident at once (each KV head's query tiles take a block per split), so that a
-/// long context's splits run in one wave of blocks, each taking more of the context's tiles,
-/// rather than in two; at most ATTENTION_SPLITS.
-fn decode_attention_splits(c: &ModelConfig, num_sms: usize, smem_per_sm: usize) -> usize {
-    let per_sm = (smem_per_sm / (decode::attention_split_smem(c.head_dim) as usize + 1024)).max(1);
+/// Most context splits of attention decode on a GPU of `num_sms` SMs that each hold `per_sm`
+/// `attention_split` blocks (the occupancy the driver reports): as many splits as leave every
+/// block resident at once (each KV head's query tiles take a block per split), so that a long
+/// context's splits run in one wave of blocks, each taking more of the context's tiles, rather
+/// than in two; at most ATTENTION_SPLITS.
+fn decode_attention_splits(c: &ModelConfig, num_sms: usize, per_sm: usize) -> usize {
     let tiles = (c.num_attention_heads / c.num_key_value_heads).div_ceil(ATTENTION_HEADS);
-    (num_sms * per_sm / (c.num_key_value_heads * tiles).max(1)).clamp(1, ATTENTION_SPLITS)
+    (num_sms * per_sm.max(1) / (c.num_key_value_heads * tiles).max(1)).clamp(1, ATTENTION_SPLITS)
 }
 
 /// Where attention decode keeps each context split's running maximum, sum and unnormalised
@@ -1035,7 +1035,15 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
         )? as u32;
         let down_smem = moe_down_smem(c, smem_per_sm);
-        let attention_splits = decode_attention_splits(c, num_sms as usize, smem_per_sm as usize);
+        let split_blocks = k
+            .attention_split
+            .occupancy_max_active_blocks_per_multiprocessor(
+                (ATTENTION_WARPS * 32) as u32,
+                decode::attention_split_smem(c.head_dim) as usize,
+                None,
+            )
+            .context("occupancy of attention_split")?;
+        let attention_splits = decode_attention_splits(c, num_sms as usize, split_blocks as usize);
         // Each block also reserves 1 KB, and the kernels' static arrays take a few hundred bytes.
         let moe_tokens_smem = (smem_per_sm as usize / 2)
             .saturating_sub(2048)
@@ -1964,31 +1972,21 @@ mod tests {
 
     #[test]
     fn decode_attention_splits_fill_one_wave_of_blocks() {
-        let h200 = (132, 228 * 1024);
-        // The full-size model: head_dim 256 (135 KB of tiles, one block per SM), 2 KV heads of 8
-        // query heads each: 66 splits of the context, 132 blocks.
+        // The full-size model on the H200 (132 SMs, one block per SM: 135 KB of tiles and 158
+        // registers a thread), 2 KV heads of 8 query heads each: 66 splits, 132 blocks.
         let c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
-        assert_eq!(
-            decode::attention_split_smem(c.head_dim),
-            8 * 2 * 16 * 264 * 2
-        );
-        assert_eq!(decode_attention_splits(&c, h200.0, h200.1), 66);
-        // head_dim 128 (69 KB: three blocks per SM), 16 query heads per KV head (two tiles of
-        // eight): 132 * 3 / (2 * 2).
-        let mut narrow = c.clone();
-        narrow.head_dim = 128;
-        narrow.num_attention_heads = 32;
-        assert_eq!(decode_attention_splits(&narrow, h200.0, h200.1), 99);
-        // At most ATTENTION_SPLITS, and at least one however many blocks a split takes.
-        narrow.num_key_value_heads = 1;
-        narrow.num_attention_heads = 8;
-        assert_eq!(
-            decode_attention_splits(&narrow, 1000, h200.1),
-            ATTENTION_SPLITS
-        );
-        narrow.num_key_value_heads = 64;
-        narrow.num_attention_heads = 1024;
-        assert_eq!(decode_attention_splits(&narrow, 8, h200.1), 1);
+        assert_eq!(decode_attention_splits(&c, 132, 1), 66);
+        // 16 query heads per KV head (two tiles of eight), three blocks per SM: 132 * 3 / (2 * 2).
+        let mut wide = c.clone();
+        wide.num_attention_heads = 32;
+        assert_eq!(decode_attention_splits(&wide, 132, 3), 99);
+        // At most ATTENTION_SPLITS, and at least one, whatever the occupancy.
+        wide.num_key_value_heads = 1;
+        wide.num_attention_heads = 8;
+        assert_eq!(decode_attention_splits(&wide, 1000, 1), ATTENTION_SPLITS);
+        wide.num_key_value_heads = 64;
+        wide.num_attention_heads = 1024;
+        assert_eq!(decode_attention_splits(&wide, 8, 0), 1);
     }
 
     #[test]
