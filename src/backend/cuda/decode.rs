@@ -8,6 +8,8 @@
 use anyhow::{Context, Result, ensure};
 use cudarc::driver::{CudaSlice, CudaStream};
 
+use crate::config::ModelConfig;
+
 use super::weights::{self, DeviceMixer, ptr};
 use super::{
     ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
@@ -330,12 +332,11 @@ impl CudaBackend {
     ) -> Result<()> {
         let c = &self.config;
         let tokens = tokens as u32;
-        let head_tiles = (c.num_attention_heads / c.num_key_value_heads).div_ceil(ATTENTION_HEADS);
         // SAFETY: q, proj and out hold a row per token, the split buffers tokens * heads *
         // dims.splits entries (of head_dim floats for `out`).
         unsafe {
             let mut split = cfg(
-                (c.num_key_value_heads * head_tiles) as u32,
+                attention_split_blocks_per_split(c) as u32,
                 dims.splits as u32,
                 (ATTENTION_WARPS * 32) as u32,
                 attention_split_smem(c.head_dim),
@@ -653,6 +654,13 @@ impl CudaBackend {
         }?;
         Ok(())
     }
+}
+
+/// Blocks of `attention_split` per context split: each KV head's query heads in tiles of
+/// ATTENTION_HEADS.
+pub(super) fn attention_split_blocks_per_split(c: &ModelConfig) -> usize {
+    c.num_key_value_heads
+        * (c.num_attention_heads / c.num_key_value_heads).div_ceil(ATTENTION_HEADS)
 }
 
 /// Dynamic shared memory of `attention_split`: per warp a key and a value tile of ATTENTION_TILE

@@ -417,8 +417,8 @@ impl BatchTables {
 /// context's splits run in one wave of blocks, each taking more of the context's tiles, rather
 /// than in two; at most ATTENTION_SPLITS.
 fn decode_attention_splits(c: &ModelConfig, num_sms: usize, per_sm: usize) -> usize {
-    let tiles = (c.num_attention_heads / c.num_key_value_heads).div_ceil(ATTENTION_HEADS);
-    (num_sms * per_sm.max(1) / (c.num_key_value_heads * tiles).max(1)).clamp(1, ATTENTION_SPLITS)
+    let blocks = decode::attention_split_blocks_per_split(c).max(1);
+    (num_sms * per_sm.max(1) / blocks).clamp(1, ATTENTION_SPLITS)
 }
 
 /// Where attention decode keeps each context split's running maximum, sum and unnormalised
