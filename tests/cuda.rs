@@ -310,10 +310,11 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 }
 
 /// The prefill path's tensor-core product (4- and 8-bit weights dequantised in registers, inputs
-/// in fp16) against an f64 product of the same dequantised weights: every quantised matrix of the
-/// fixture (the routers stay 8-bit in a 4-bit conversion) at three group sizes and both widths,
-/// and of the wide random model (see `wide_random_checkpoint`: k up to 1,536, many k steps), times
-/// a token count that leaves the last block partly empty, whole and split along k.
+/// in fp16; dense weights and inputs in bf16) against an f64 product of the same weights: every
+/// quantised matrix of the fixture (the routers stay 8-bit in a 4-bit conversion) at three group
+/// sizes and both widths, and of the wide random model (see `wide_random_checkpoint`: k up to
+/// 1,536, many k steps), and every dense matrix of the fixtures and of the wide model, times a
+/// token count that leaves the last block partly empty, whole and split along k.
 #[test]
 fn tensor_core_matmul_matches_the_dequantised_product() {
     let tmp = tempfile::tempdir().unwrap();
@@ -338,11 +339,14 @@ fn tensor_core_matmul_matches_the_dequantised_product() {
             &format!("wide {bits}-bit group {group_size}"),
         ));
     }
+    for dir in fixtures().iter().chain([&wide]) {
+        failures.extend(tensor_core_errors(dir, &format!("{} dense", dir.display())));
+    }
     assert!(failures.is_empty(), "above 5e-3:\n{}", failures.join("\n"));
 }
 
-/// The tensor-core product's relative error on every quantised matrix of the checkpoint in
-/// `dir`, as messages for those above 5e-3.
+/// The tensor-core product's relative error on every matrix of the checkpoint in `dir` that it
+/// takes (4- or 8-bit, or dense, which the GPU holds in bf16), as messages for those above 5e-3.
 fn tensor_core_errors(dir: &Path, label: &str) -> Vec<String> {
     let model = Model::load(dir).unwrap();
     let gpu = cuda(&model, 1);
@@ -350,7 +354,10 @@ fn tensor_core_errors(dir: &Path, label: &str) -> Vec<String> {
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let (mut checked, mut failures, mut worst) = (0, Vec::new(), 0.0f32);
     for w in model.matrices() {
-        if !matches!(&w.storage, Storage::Quantized(q) if q.spec.bits == 4 || q.spec.bits == 8) {
+        let dense_weights = matches!(&w.storage, Storage::Dense { .. });
+        if !dense_weights
+            && !matches!(&w.storage, Storage::Quantized(q) if q.spec.bits == 4 || q.spec.bits == 8)
+        {
             continue;
         }
         let x: Vec<f32> = (0..tokens * w.cols)
@@ -363,6 +370,11 @@ fn tensor_core_errors(dir: &Path, label: &str) -> Vec<String> {
             .collect();
         let mut dense = vec![0.0f32; w.rows * w.cols];
         w.rows_to_f32(0, &mut dense);
+        if dense_weights {
+            dense
+                .iter_mut()
+                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+        }
         let want: Vec<f32> = (0..tokens)
             .flat_map(|t| {
                 let xt = &x[t * w.cols..(t + 1) * w.cols];
@@ -380,7 +392,8 @@ fn tensor_core_errors(dir: &Path, label: &str) -> Vec<String> {
             let got = gpu.matmul_q(w, &x, tokens, splits).unwrap();
             let err = relative_error(&got, &want);
             worst = worst.max(err);
-            // fp16 inputs and weights (scale * q + bias in fp16) round at 2^-11.
+            // fp16 inputs and weights (scale * q + bias in fp16) round at 2^-11, bf16 inputs at
+            // 2^-9.
             if err >= 5e-3 {
                 failures.push(format!(
                     "{label}, {}x{}, {splits} splits: relative error {err:.2e}",
@@ -393,7 +406,7 @@ fn tensor_core_errors(dir: &Path, label: &str) -> Vec<String> {
     println!("{label}: {checked} matrices, worst relative error {worst:.2e}");
     assert!(
         checked > 0,
-        "{label}: the checkpoint has quantised matrices"
+        "{label}: the checkpoint has matrices to multiply"
     );
     failures
 }

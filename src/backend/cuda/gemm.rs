@@ -1,5 +1,6 @@
 //! Matrix products on tensor cores for many tokens at once (the prefill path's projections):
-//! Y = X · Wᵀ with W in MLX 4-bit, dequantised inside the product (kernels/gemm.cu).
+//! Y = X · Wᵀ with W in MLX 4- or 8-bit, dequantised inside the product, or dense bf16
+//! (kernels/gemm.cu).
 
 use anyhow::{Result, ensure};
 
@@ -29,16 +30,18 @@ pub(super) fn gemm_smem_bytes(bits: usize, tokens: usize) -> u32 {
     (GEMM_STAGES * (weights + inputs + scales_biases) + 1024) as u32
 }
 
-/// Whether the tensor-core products take `w`: MLX 4- or 8-bit with groups of at least 32 inputs.
+/// Whether the tensor-core products take `w`: MLX 4- or 8-bit with groups of at least 32
+/// inputs, or dense bf16.
 pub(super) fn on_tensor_cores(w: &DeviceWeight) -> bool {
-    (w.bits == 4 || w.bits == 8) && w.group >= 32
+    w.bits == 16 || ((w.bits == 4 || w.bits == 8) && w.group >= 32)
 }
 
 impl CudaBackend {
-    /// `x` ([tokens, w.cols], row-major) times the transpose of the 4- or 8-bit matrix `w` on the
-    /// GPU: [tokens, w.rows], row-major, the products split `splits` ways along k (1: not split;
-    /// more: the partial sums the router's product leaves, added up here). Uploads both, so it
-    /// serves checks and measurements; prefill runs the same kernels on device buffers.
+    /// `x` ([tokens, w.cols], row-major) times the transpose of `w` (4- or 8-bit, or dense, which
+    /// goes to the GPU in bf16) on the GPU: [tokens, w.rows], row-major, the products split
+    /// `splits` ways along k (1: not split; more: the partial sums the router's product leaves,
+    /// added up here). Uploads both, so it serves checks and measurements; prefill runs the same
+    /// kernels on device buffers.
     pub fn matmul_q(
         &self,
         w: &Matrix,
@@ -46,15 +49,14 @@ impl CudaBackend {
         tokens: usize,
         splits: usize,
     ) -> Result<Vec<f32>> {
-        let Storage::Quantized(q) = &w.storage else {
-            anyhow::bail!("matmul_q takes a quantised matrix, not a dense one");
-        };
-        ensure!(
-            (q.spec.bits == 4 || q.spec.bits == 8) && q.spec.group_size >= 32,
-            "matmul_q takes 4- or 8-bit weights with groups of at least 32 (got {} bits, group {})",
-            q.spec.bits,
-            q.spec.group_size
-        );
+        if let Storage::Quantized(q) = &w.storage {
+            ensure!(
+                (q.spec.bits == 4 || q.spec.bits == 8) && q.spec.group_size >= 32,
+                "matmul_q takes 4- or 8-bit weights with groups of at least 32 (got {} bits, group {})",
+                q.spec.bits,
+                q.spec.group_size
+            );
+        }
         ensure!(
             tokens > 0 && x.len() == tokens * w.cols,
             "x holds {} values, not {tokens} tokens of {}",
@@ -80,8 +82,8 @@ impl CudaBackend {
     }
 
     /// x16, xscale = the `n` rows of `cols` floats at `x` (RMS-normalised and scaled by `norm`
-    /// when given) in fp16, each divided by its power-of-two scale, in the permuted order the
-    /// tensor-core products of `bits`-bit weights read (rows_to_half).
+    /// when given) in fp16 (bf16 for bf16 weights), each divided by its power-of-two scale, in
+    /// the order the tensor-core products of `bits`-bit weights read (rows_to_half).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn rows_to_half(
         &self,
@@ -114,7 +116,7 @@ impl CudaBackend {
         }
     }
 
-    /// y (+)= x16 · wᵀ for `n` rows already in fp16 (gemm_q).
+    /// y (+)= x16 · wᵀ for `n` rows already in fp16 or bf16 (gemm_q).
     pub(super) fn gemm_rows(
         &self,
         w: &DeviceWeight,
@@ -264,8 +266,8 @@ mod tests {
         let grouped = gemm_smem_bytes(4, GEMM_GROUP_TOKENS) as usize;
         let wide = gemm_smem_bytes(4, GEMM_GROUP_TOKENS_WIDE) as usize;
         // Static shared memory: the tile's token tables (three words per token), once per width
-        // the kernel is compiled for.
-        let tables = |tokens: usize| 2 * 3 * 4 * tokens;
+        // the kernel is compiled for (4, 8 and 16 bits).
+        let tables = |tokens: usize| 3 * 3 * 4 * tokens;
         // 4-bit products run two dense, three grouped or two wide grouped blocks per SM (their
         // register budgets).
         let dense = dense + tables(GEMM_DENSE_TOKENS);
@@ -274,10 +276,13 @@ mod tests {
         assert!(2 * (dense + 1024) <= sm, "{dense}");
         assert!(3 * (grouped + 1024) <= sm, "{grouped}");
         assert!(2 * (wide + 1024) <= sm, "{wide}");
-        // 8-bit stages are larger but still launchable.
+        // 8-bit and bf16 stages are larger but still launchable (one bf16 block per SM).
         for tokens in [GEMM_DENSE_TOKENS, GEMM_GROUP_TOKENS, GEMM_GROUP_TOKENS_WIDE] {
             assert!(gemm_smem_bytes(8, tokens) as usize <= MAX_DYNAMIC_SHARED_BYTES);
             assert!(gemm_smem_bytes(8, tokens) > gemm_smem_bytes(4, tokens));
+            let bf16 = gemm_smem_bytes(16, tokens) as usize;
+            assert!(bf16 <= MAX_DYNAMIC_SHARED_BYTES);
+            assert!(bf16 + tables(tokens) + 1024 <= sm, "{bf16}");
         }
     }
 }

@@ -1,5 +1,6 @@
 // Prefill matrix products on tensor cores: Y[t, n] = sum_k X[t, k] W[n, k] for a block of tokens
-// at once, W in MLX 4-bit or 8-bit (dequantised in registers, never expanded in device memory).
+// at once, W in MLX 4-bit or 8-bit (dequantised in registers, never expanded in device memory) or
+// dense bf16.
 //
 // Hopper's warpgroup products (wgmma m64nNk16, N = 128 tokens for dense products and 64 for the
 // experts' tiles; fp16 in, f32 accumulate) with the weight rows as the M side, dequantised into
@@ -14,6 +15,10 @@
 //
 // fp16 holds x after division by a per-token power of two (|x / s| < 2^15); the products
 // accumulate in f32 and the epilogue multiplies s back.
+//
+// bf16 weights go to the tensor cores as they are, with x in bf16 (wgmma takes one type for both
+// operands; bf16 rather than the weights converted to fp16, whose range ends at 65504), in their
+// natural order: lane c of a quad reads words c of the two 16-byte chunks of its 16 inputs.
 
 #define GEMM_ROWS 128    // weight rows per block: two 64-row halves
 #define GEMM_DENSE_TOKENS 128 // tokens per block of a dense product (the N of the products)
@@ -33,26 +38,34 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t w, __half2 scale, __ha
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// The input stored at position i of a row permuted for BITS-bit weights (see above).
+// The input stored at position i of a row permuted for BITS-bit weights (see above; bf16 weights
+// take their inputs in order).
 __device__ __forceinline__ int permuted_input(int i, int bits) {
     const int p = i & 7;
+    if (bits == 16) return i;
     if (bits == 8) return (i & ~7) + (p & 4) + ((p & 3) == 1 ? 2 : (p & 3) == 2 ? 1 : (p & 3));
     return (i & ~7) + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
 }
 
-// Stores the group of eight inputs v at dst (16-byte aligned) in fp16, permuted for `bits`-bit
-// weights: position i holds v[permuted_input(i, bits)].
+// Stores the group of eight inputs v at dst (16-byte aligned) for `bits`-bit weights: position i
+// holds v[permuted_input(i, bits)], in fp16 (bf16 for bf16 weights).
 __device__ __forceinline__ void store_eight_permuted(__half* dst, const float (&v)[8], int bits) {
-    __align__(16) __half h[8];
+    __align__(16) uint16_t h[8];
+    if (bits == 16) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = __float2half_rn(bits == 8 ? v[permuted_input(i, 8)] : v[permuted_input(i, 4)]);
+        for (int i = 0; i < 8; ++i) h[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v[i]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            h[i] = __half_as_ushort(__float2half_rn(bits == 8 ? v[permuted_input(i, 8)] : v[permuted_input(i, 4)]));
+    }
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(h);
 }
 
-// x16[t] = x[t] / xscale[t] in fp16 (RMS-normalised and scaled by norm_scale first when it is
-// non-null), inputs permuted within groups of 8 for `bits`-bit weights (see above); xscale[t] is
-// the power of two that brings max |x[t]| under 2^15. One block of 256 threads per token, a
-// group of 8 inputs per thread at a time; K a multiple of 8.
+// x16[t] = x[t] / xscale[t] in fp16, bf16 for bf16 weights (RMS-normalised and scaled by
+// norm_scale first when it is non-null), inputs permuted within groups of 8 for `bits`-bit
+// weights (see above); xscale[t] is the power of two that brings max |x[t]| under 2^15. One block
+// of 256 threads per token, a group of 8 inputs per thread at a time; K a multiple of 8.
 extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, int K, const float* norm_scale, float eps,
                                                               int bits, __half* x16, float* xscale) {
     __shared__ float scratch[64];
@@ -115,31 +128,38 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
 }
 
-// The warpgroup product D (64 rows x 64 tokens, f32) += A (64 rows x 16 inputs, fp16, this
-// warp's 16 rows in a0..a3 as for mma.sync m16n8k16) x B (16 inputs x 64 tokens in shared
-// memory, described by `desc`). Asynchronous: see wgmma_commit / wgmma_wait.
+// The accumulators of a 64 x 64 and a 64 x 128 warpgroup product as asm operands.
+#define WGMMA_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WGMMA_D64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// The warpgroup product D (64 rows x 64 tokens, f32) += A (64 rows x 16 inputs, fp16 or bf16 as
+// TYPE says, this warp's 16 rows in a0..a3 as for mma.sync m16n8k16) x B (16 inputs x 64 tokens
+// of the same type in shared memory, described by `desc`). Asynchronous: see wgmma_commit /
+// wgmma_wait.
+template <bool BF16>
 __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+    if constexpr (BF16)
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+                     : WGMMA_D32
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+    else
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+                     : WGMMA_D32
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
 }
 // As wgmma_64x64x16 for 128 tokens.
+template <bool BF16>
 __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                 uint64_t desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+    if constexpr (BF16)
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+                     : WGMMA_D64
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+    else
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+                     : WGMMA_D64
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
 }
 // Orders this thread's register writes before the next wgmma reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -169,7 +189,9 @@ __device__ __forceinline__ uint64_t smem_desc(const void* smem, uint32_t lead, u
 }
 
 // One pipeline stage: the block's 128 weight rows and TOKENS token rows over GEMM_K inputs. A
-// row's GEMM_K inputs are BITS / 2 chunks of 16 bytes (32 4-bit or 16 8-bit inputs each). The
+// row's GEMM_K inputs are BITS / 2 chunks of 16 bytes (32 4-bit, 16 8-bit or 8 bf16 inputs
+// each); bf16 rows are swizzled as the tokens' rows below (chunk kb of row r at kb ^ (r % 8)),
+// so that the 8 rows a warp reads at once fall in distinct banks. The
 // tokens' inputs are in the tensor cores' 128-byte swizzled layout: a token's 64 inputs are one
 // 128-byte row, whose 16-byte chunk kb (inputs 8 kb .. 8 kb + 7) sits at position kb ^ (token % 8)
 // (so a token's copies, and the tensor cores' reads of 8 tokens, fall in distinct banks; without
@@ -179,21 +201,18 @@ template <int BITS, int TOKENS>
 struct GemmStage {
     uint4 x[TOKENS][GEMM_K / 8];
     uint4 w[GEMM_ROWS][BITS / 2];
-    // Per row and 32-input half: the words holding its group's scale and bias.
+    // Per row and 32-input half: the words holding its group's scale and bias (unused for bf16).
     uint32_t scale_bias[GEMM_ROWS][2][2];
 };
 
 // The warpgroup product D (64 rows x TOKENS tokens, f32) += A (64 rows x 16 inputs in registers)
 // x B (16 inputs x TOKENS tokens in shared memory).
-template <int TOKENS>
-__device__ __forceinline__ void wgmma_tile(float (&d)[TOKENS / 2], const uint32_t (&a)[4], uint64_t desc);
-template <>
-__device__ __forceinline__ void wgmma_tile<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-    wgmma_64x64x16(d, a[0], a[1], a[2], a[3], desc);
-}
-template <>
-__device__ __forceinline__ void wgmma_tile<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-    wgmma_64x128x16(d, a[0], a[1], a[2], a[3], desc);
+template <int TOKENS, bool BF16>
+__device__ __forceinline__ void wgmma_tile(float (&d)[TOKENS / 2], const uint32_t (&a)[4], uint64_t desc) {
+    if constexpr (TOKENS == 64)
+        wgmma_64x64x16<BF16>(d, a[0], a[1], a[2], a[3], desc);
+    else
+        wgmma_64x128x16<BF16>(d, a[0], a[1], a[2], a[3], desc);
 }
 
 // y[out(i), r] (+)= sum_k x16[in(i), k] w[row_base + r, k] * xscale[in(i)] (in and out: the
@@ -258,21 +277,23 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     auto issue = [&](int stage, int step) {
         Stage& st = stages[stage];
         const int k0 = (first_step + step) * GEMM_K;
-        if (one_group) {
-            const int grp = min(k0 >> w.group_shift, groups - 1);
+        if constexpr (BITS != 16) {
+            if (one_group) {
+                const int grp = min(k0 >> w.group_shift, groups - 1);
 #pragma unroll
-            for (int i = 0; i < SB_COPIES / 2; ++i) {
-                const int row = (tid >> 1) + i * (GEMM_THREADS / 2);
-                const size_t r = min(first_row + row, last_row);
-                cp_async_word(&st.scale_bias[row][0][tid & 1], sb_base + r * groups + grp);
-            }
-        } else {
-            const int grp = min((k0 + 32 * sb_half) >> w.group_shift, groups - 1);
+                for (int i = 0; i < SB_COPIES / 2; ++i) {
+                    const int row = (tid >> 1) + i * (GEMM_THREADS / 2);
+                    const size_t r = min(first_row + row, last_row);
+                    cp_async_word(&st.scale_bias[row][0][tid & 1], sb_base + r * groups + grp);
+                }
+            } else {
+                const int grp = min((k0 + 32 * sb_half) >> w.group_shift, groups - 1);
 #pragma unroll
-            for (int i = 0; i < SB_COPIES; ++i) {
-                const int row = (tid >> 2) + i * (GEMM_THREADS / 4);
-                const size_t r = min(first_row + row, last_row);
-                cp_async_word(&st.scale_bias[row][sb_half][tid & 1], sb_base + r * groups + grp);
+                for (int i = 0; i < SB_COPIES; ++i) {
+                    const int row = (tid >> 2) + i * (GEMM_THREADS / 4);
+                    const size_t r = min(first_row + row, last_row);
+                    cp_async_word(&st.scale_bias[row][sb_half][tid & 1], sb_base + r * groups + grp);
+                }
             }
         }
         const bool w_valid = k0 + PER_CHUNK * w_chunk < K;
@@ -280,7 +301,8 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         for (int i = 0; i < W_COPIES; ++i) {
             const int row = tid / CHUNKS + i * (GEMM_THREADS / CHUNKS);
             const size_t r = min(first_row + row, last_row);
-            cp_async_16(&st.w[row][w_chunk], w_valid ? wdata + r * row_chunks + CHUNKS * (first_step + step) + w_chunk : wdata, w_valid);
+            const int slot = BITS == 16 ? w_chunk ^ (row & 7) : w_chunk;
+            cp_async_16(&st.w[row][slot], w_valid ? wdata + r * row_chunks + CHUNKS * (first_step + step) + w_chunk : wdata, w_valid);
         }
         const bool x_valid = k0 + 8 * x_block < K;
 #pragma unroll
@@ -300,13 +322,13 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     }
     // Which half of its scale and bias words each of this lane's rows (16 warp + g and + 8 of
     // each 64-row half) reads at group 0: the parity of the row's first group index.
-    int row_parity[2][2];
+    int row_parity[2][2] = {};
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const size_t r = min(first_row + 64 * m + 16 * warp + 8 * h + g, last_row);
-            row_parity[m][h] = (int)((r * groups) & 1);
+            if constexpr (BITS != 16) row_parity[m][h] = (int)((r * groups) & 1);
         }
     float acc[2][TOKENS / 2] = {};
     for (int step = 0; step < steps; ++step) {
@@ -319,30 +341,33 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
 
         const Stage& st = stages[step % GEMM_STAGES];
         __half2 scale[2][2][2], bias[2][2][2];
+        if constexpr (BITS != 16) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int grp = min(((first_step + step) * GEMM_K + 32 * hh) >> w.group_shift, groups - 1);
+            for (int hh = 0; hh < 2; ++hh) {
+                const int grp = min(((first_step + step) * GEMM_K + 32 * hh) >> w.group_shift, groups - 1);
 #pragma unroll
-            for (int m = 0; m < 2; ++m)
+                for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (hh == 1 && one_group) {
-                        scale[m][h][1] = scale[m][h][0];
-                        bias[m][h][1] = bias[m][h][0];
-                        continue;
+                    for (int h = 0; h < 2; ++h) {
+                        if (hh == 1 && one_group) {
+                            scale[m][h][1] = scale[m][h][0];
+                            bias[m][h][1] = bias[m][h][0];
+                            continue;
+                        }
+                        const int row = 64 * m + 16 * warp + 8 * h + g;
+                        const int high = (row_parity[m][h] ^ grp) & 1;
+                        const uint32_t sw = st.scale_bias[row][hh][0] >> (16 * high);
+                        const uint32_t bw = st.scale_bias[row][hh][1] >> (16 * high);
+                        scale[m][h][hh] = __float2half2_rn(scale_bits_f32((uint16_t)sw));
+                        bias[m][h][hh] = __float2half2_rn(scale_bits_f32((uint16_t)bw));
                     }
-                    const int row = 64 * m + 16 * warp + 8 * h + g;
-                    const int high = (row_parity[m][h] ^ grp) & 1;
-                    const uint32_t sw = st.scale_bias[row][hh][0] >> (16 * high);
-                    const uint32_t bw = st.scale_bias[row][hh][1] >> (16 * high);
-                    scale[m][h][hh] = __float2half2_rn(scale_bits_f32((uint16_t)sw));
-                    bias[m][h][hh] = __float2half2_rn(scale_bits_f32((uint16_t)bw));
-                }
+            }
         }
         // Step j covers inputs 16j .. 16j + 15 of the stage: for 4-bit, words 2 (j % 2) and
         // 2 (j % 2) + 1 of chunk j / 2 (8 inputs each); for 8-bit, words c / 2 and 2 + c / 2
-        // of chunk j (4 inputs each). A registers alternate between two sets, so that step
-        // j's can be written while step j - 1's products still read theirs.
+        // of chunk j (4 inputs each); for bf16, word c of chunks 2j and 2j + 1 (8 inputs each).
+        // A registers alternate between two sets, so that step j's can be written while step
+        // j - 1's products still read theirs.
         uint32_t a[2][2][4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -351,25 +376,36 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
                 const int row = 64 * m + 16 * warp + g;
-                const uint4 lo = st.w[row][BITS == 4 ? hh : j], hi = st.w[row + 8][BITS == 4 ? hh : j];
-                // (x, y) or (z, w) for 4-bit (by j, known at compile time); (x, z) or (y, w)
-                // for 8-bit (by lane: selects, not an indexed local array, which would live
-                // on the stack).
-                const bool odd = BITS == 4 ? (j & 1) : (c >> 1);
-                const uint32_t l0 = BITS == 4 ? (odd ? lo.z : lo.x) : (odd ? lo.y : lo.x);
-                const uint32_t l1 = BITS == 4 ? (odd ? lo.w : lo.y) : (odd ? lo.w : lo.z);
-                const uint32_t u0 = BITS == 4 ? (odd ? hi.z : hi.x) : (odd ? hi.y : hi.x);
-                const uint32_t u1 = BITS == 4 ? (odd ? hi.w : hi.y) : (odd ? hi.w : hi.z);
-                aj[m][0] = dequant_pair<BITS>(l0 >> shift, scale[m][0][hh], bias[m][0][hh]);
-                aj[m][1] = dequant_pair<BITS>(u0 >> shift, scale[m][1][hh], bias[m][1][hh]);
-                aj[m][2] = dequant_pair<BITS>(l1 >> shift, scale[m][0][hh], bias[m][0][hh]);
-                aj[m][3] = dequant_pair<BITS>(u1 >> shift, scale[m][1][hh], bias[m][1][hh]);
+                if constexpr (BITS == 16) {
+                    // Rows g and g + 8 hold chunk kb at kb ^ g (row % 8 is g).
+                    const uint32_t* lo = reinterpret_cast<const uint32_t*>(&st.w[row][0]);
+                    const uint32_t* hi = reinterpret_cast<const uint32_t*>(&st.w[row + 8][0]);
+                    const int first = 4 * ((2 * j) ^ g) + c, second = 4 * ((2 * j + 1) ^ g) + c;
+                    aj[m][0] = lo[first];
+                    aj[m][1] = hi[first];
+                    aj[m][2] = lo[second];
+                    aj[m][3] = hi[second];
+                } else {
+                    const uint4 lo = st.w[row][BITS == 4 ? hh : j], hi = st.w[row + 8][BITS == 4 ? hh : j];
+                    // (x, y) or (z, w) for 4-bit (by j, known at compile time); (x, z) or (y, w)
+                    // for 8-bit (by lane: selects, not an indexed local array, which would live
+                    // on the stack).
+                    const bool odd = BITS == 4 ? (j & 1) : (c >> 1);
+                    const uint32_t l0 = BITS == 4 ? (odd ? lo.z : lo.x) : (odd ? lo.y : lo.x);
+                    const uint32_t l1 = BITS == 4 ? (odd ? lo.w : lo.y) : (odd ? lo.w : lo.z);
+                    const uint32_t u0 = BITS == 4 ? (odd ? hi.z : hi.x) : (odd ? hi.y : hi.x);
+                    const uint32_t u1 = BITS == 4 ? (odd ? hi.w : hi.y) : (odd ? hi.w : hi.z);
+                    aj[m][0] = dequant_pair<BITS>(l0 >> shift, scale[m][0][hh], bias[m][0][hh]);
+                    aj[m][1] = dequant_pair<BITS>(u0 >> shift, scale[m][1][hh], bias[m][1][hh]);
+                    aj[m][2] = dequant_pair<BITS>(l1 >> shift, scale[m][0][hh], bias[m][0][hh]);
+                    aj[m][3] = dequant_pair<BITS>(u1 >> shift, scale[m][1][hh], bias[m][1][hh]);
+                }
             }
             // Inputs 16j .. 16j + 15 are k blocks 2j and 2j + 1.
             const uint64_t desc = smem_desc_swizzled(reinterpret_cast<const char*>(&st.x[0][0]) + 32 * j);
             wgmma_fence();
 #pragma unroll
-            for (int m = 0; m < 2; ++m) wgmma_tile<TOKENS>(acc[m], aj[m], desc);
+            for (int m = 0; m < 2; ++m) wgmma_tile<TOKENS, BITS == 16>(acc[m], aj[m], desc);
             wgmma_commit();
             // Step j - 1's products are done, so its A registers may be rewritten at j + 1.
             wgmma_wait<1>();
@@ -396,12 +432,14 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     cp_async_wait<0>();
 }
 
-// gemm_tile for the weight's width (4 or 8 bits; the host sends nothing else).
+// gemm_tile for the weight's width (4, 8 or 16 bits; the host sends nothing else).
 template <int TOKENS>
 __device__ __forceinline__ void gemm_tile_bits(const Weight& w, int row_base, int rows, int row_block, int split,
                                                int splits, const TokenTile& tile, const __half* x16, const float* xscale,
                                                float* y, int accumulate) {
-    if (w.bits == 8)
+    if (w.bits == 16)
+        gemm_tile<16, TOKENS>(w, row_base, rows, row_block, split, splits, tile, x16, xscale, y, accumulate);
+    else if (w.bits == 8)
         gemm_tile<8, TOKENS>(w, row_base, rows, row_block, split, splits, tile, x16, xscale, y, accumulate);
     else
         gemm_tile<4, TOKENS>(w, row_base, rows, row_block, split, splits, tile, x16, xscale, y, accumulate);
@@ -548,8 +586,8 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_peak(int iters, float* o
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            wgmma_64x64x16(acc[0], a, a, a, a, desc);
-            wgmma_64x64x16(acc[1], a, a, a, a, desc);
+            wgmma_64x64x16<false>(acc[0], a, a, a, a, desc);
+            wgmma_64x64x16<false>(acc[1], a, a, a, a, desc);
         }
         wgmma_commit();
         wgmma_wait<0>();

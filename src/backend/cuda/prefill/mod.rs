@@ -1,7 +1,7 @@
 //! Prefill: a prompt goes through the model a chunk of tokens at a time, layer by layer over the
-//! whole chunk. Projections with 4- and 8-bit weights run on tensor cores for the chunk at once
-//! (gemm.rs), the MoE grouped by expert; attention is causal flash attention on tensor cores
-//! (`attention_prefill`); the DeltaNet recurrence runs in its chunkwise form (64-token
+//! whole chunk. Projections with 4- and 8-bit or bf16 weights run on tensor cores for the chunk
+//! at once (gemm.rs), the MoE grouped by expert; attention is causal flash attention on tensor
+//! cores (`attention_prefill`); the DeltaNet recurrence runs in its chunkwise form (64-token
 //! sub-chunks as matrix products on tensor cores, the state carried from one to the next). Other
 //! weight formats run the decode kernels with the chunk's tokens along a grid dimension. Scratch
 //! is sized for one chunk, so a prompt of any length fits.
@@ -45,7 +45,8 @@ const ATTENTION_PREFILL_THREADS: u32 = 128;
 pub(super) struct PrefillScratch {
     tokens: CudaSlice<i32>,
     x: CudaSlice<f32>,
-    /// Inputs of a tensor-core product in fp16, and each token's power-of-two scale.
+    /// Inputs of a tensor-core product in fp16 (bf16 for bf16 weights), and each token's
+    /// power-of-two scale.
     x16: CudaSlice<u16>,
     xscale: CudaSlice<f32>,
     /// The storage `mixer` and `moe` point into.
