@@ -310,11 +310,12 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 }
 
 /// The prefill path's tensor-core product (4- and 8-bit weights dequantised in registers, inputs
-/// in fp16; dense weights and inputs in bf16) against an f64 product of the same weights: every
-/// quantised matrix of the fixture (the routers stay 8-bit in a 4-bit conversion) at three group
-/// sizes and both widths, and of the wide random model (see `wide_random_checkpoint`: k up to
-/// 1,536, many k steps), and every dense matrix of the fixtures and of the wide model, times a
-/// token count that leaves the last block partly empty, whole and split along k.
+/// in fp16; dense weights in bf16, converted to fp16 in registers) against an f64 product of the
+/// same weights: every quantised matrix of the fixture (the routers stay 8-bit in a 4-bit
+/// conversion) at three group sizes and both widths, and of the wide random model (see
+/// `wide_random_checkpoint`: k up to 1,536, many k steps), and every dense matrix of the fixtures
+/// and of the wide model, times a token count that leaves the last block partly empty, whole and
+/// split along k.
 #[test]
 fn tensor_core_matmul_matches_the_dequantised_product() {
     let tmp = tempfile::tempdir().unwrap();
@@ -392,8 +393,7 @@ fn tensor_core_errors(dir: &Path, label: &str) -> Vec<String> {
             let got = gpu.matmul_q(w, &x, tokens, splits).unwrap();
             let err = relative_error(&got, &want);
             worst = worst.max(err);
-            // fp16 inputs and weights (scale * q + bias in fp16) round at 2^-11, bf16 inputs at
-            // 2^-9.
+            // fp16 inputs and weights (scale * q + bias in fp16) round at 2^-11.
             if err >= 5e-3 {
                 failures.push(format!(
                     "{label}, {}x{}, {splits} splits: relative error {err:.2e}",

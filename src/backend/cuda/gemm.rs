@@ -31,17 +31,17 @@ pub(super) fn gemm_smem_bytes(bits: usize, tokens: usize) -> u32 {
 }
 
 /// Whether the tensor-core products take `w`: MLX 4- or 8-bit with groups of at least 32
-/// inputs, or dense bf16.
+/// inputs, or dense bf16 whose values fp16 holds (they go to the tensor cores in fp16).
 pub(super) fn on_tensor_cores(w: &DeviceWeight) -> bool {
-    w.bits == 16 || ((w.bits == 4 || w.bits == 8) && w.group >= 32)
+    (w.bits == 16 && w.fits_fp16) || ((w.bits == 4 || w.bits == 8) && w.group >= 32)
 }
 
 impl CudaBackend {
     /// `x` ([tokens, w.cols], row-major) times the transpose of `w` (4- or 8-bit, or dense, which
-    /// goes to the GPU in bf16) on the GPU: [tokens, w.rows], row-major, the products split
-    /// `splits` ways along k (1: not split; more: the partial sums the router's product leaves,
-    /// added up here). Uploads both, so it serves checks and measurements; prefill runs the same
-    /// kernels on device buffers.
+    /// goes to the GPU in bf16 and must fit fp16) on the GPU: [tokens, w.rows], row-major, the
+    /// products split `splits` ways along k (1: not split; more: the partial sums the router's
+    /// product leaves, added up here). Uploads both, so it serves checks and measurements;
+    /// prefill runs the same kernels on device buffers.
     pub fn matmul_q(
         &self,
         w: &Matrix,
@@ -66,6 +66,10 @@ impl CudaBackend {
         ensure!(splits > 0, "a product runs in at least one split");
         let s = &self.stream;
         let weight = DeviceWeight::upload(s, self.scales, &[w])?;
+        ensure!(
+            on_tensor_cores(&weight),
+            "matmul_q: a dense matrix with values beyond fp16's range stays off the tensor cores"
+        );
         let x_dev = s.clone_htod(x)?;
         let x16 = s.alloc_zeros::<u16>(x.len())?;
         let xscale = s.alloc_zeros::<f32>(tokens)?;

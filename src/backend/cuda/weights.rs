@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use anyhow::{Result, ensure};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use rayon::prelude::*;
 
 use crate::checkpoint::{DType, convert_to_f32};
 use crate::config::ModelConfig;
@@ -135,6 +136,15 @@ pub struct DeviceWeight {
     /// 16 for dense bf16, else the MLX quantisation width.
     pub bits: usize,
     pub group: usize,
+    /// Dense: every value is within fp16's range (the prefill's tensor-core products convert
+    /// bf16 weights to fp16; a matrix with a larger value stays on the mat-vec kernels).
+    pub fits_fp16: bool,
+}
+
+/// Whether the bf16 value with these bits is finite and at most fp16's largest (65504: bf16's
+/// largest below it is 65280, 0x477F).
+fn bf16_fits_fp16(bits: u16) -> bool {
+    bits & 0x7FFF <= 0x477F
 }
 
 /// The kernel-side descriptor of a [`DeviceWeight`].
@@ -206,11 +216,15 @@ impl DeviceWeight {
                 }
             }
         }
-        Ok(Self::bf16(stream.clone_htod(&host)?, rows, cols))
+        let fits_fp16 = host.par_chunks(1 << 20).all(|c| {
+            c.chunks_exact(2)
+                .all(|b| bf16_fits_fp16(u16::from_le_bytes([b[0], b[1]])))
+        });
+        Ok(Self::bf16(stream.clone_htod(&host)?, rows, cols, fits_fp16))
     }
 
     /// A dense bf16 matrix already on the device.
-    fn bf16(data: CudaSlice<u8>, rows: usize, cols: usize) -> Self {
+    fn bf16(data: CudaSlice<u8>, rows: usize, cols: usize, fits_fp16: bool) -> Self {
         Self {
             data,
             scales: None,
@@ -219,6 +233,7 @@ impl DeviceWeight {
             cols,
             bits: 16,
             group: 0,
+            fits_fp16,
         }
     }
 
@@ -256,6 +271,7 @@ impl DeviceWeight {
             cols,
             bits: spec.bits as usize,
             group: spec.group_size,
+            fits_fp16: false,
         })
     }
 
@@ -296,7 +312,8 @@ impl DeviceWeight {
             WeightFormat::Bf16 => {
                 let data = stream.alloc_zeros::<u8>(rows * cols * 2)?;
                 fill.bf16(stream, ptr(&data, stream), rows * cols, seed, scale)?;
-                Ok(Self::bf16(data, rows, cols))
+                // Uniform in [-scale, scale), scale at most 1.
+                Ok(Self::bf16(data, rows, cols, true))
             }
             WeightFormat::Affine { bits, group } => {
                 let words = rows * cols * bits / 32;
@@ -322,6 +339,7 @@ impl DeviceWeight {
                     cols,
                     bits,
                     group,
+                    fits_fp16: false,
                 })
             }
         }
@@ -554,6 +572,26 @@ impl DeviceModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_values_fit_fp16_up_to_its_largest() {
+        let fits = |v: f32| bf16_fits_fp16(half::bf16::from_f32(v).to_bits());
+        // fp16's largest is 65504; the bf16 values around it are 65280 and 65536.
+        for v in [0.0, -0.0, 1.0, -3.5, 65280.0, -65280.0, 1e-30, -1e-30] {
+            assert!(fits(v), "{v}");
+        }
+        for v in [
+            65536.0,
+            -65536.0,
+            1e30,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ] {
+            assert!(!fits(v), "{v}");
+        }
+        assert_eq!(half::bf16::from_f32(65504.0).to_f32(), 65536.0);
+    }
 
     fn bytes_of(dtype: DType, values: &[f32]) -> Vec<u8> {
         values

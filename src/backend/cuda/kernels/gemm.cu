@@ -16,9 +16,11 @@
 // fp16 holds x after division by a per-token power of two (|x / s| < 2^15); the products
 // accumulate in f32 and the epilogue multiplies s back.
 //
-// bf16 weights go to the tensor cores as they are, with x in bf16 (wgmma takes one type for both
-// operands; bf16 rather than the weights converted to fp16, whose range ends at 65504), in their
-// natural order: lane c of a quad reads words c of the two 16-byte chunks of its 16 inputs.
+// bf16 weights are converted to fp16 in registers (exact for the magnitudes fp16 holds; the host
+// sends only matrices whose every value is under fp16's largest, see on_tensor_cores), their
+// inputs in natural order: lane c of a quad takes word c of each 16-byte chunk of its 16 inputs.
+// fp16 rather than both operands in bf16 (wgmma takes one type for both): bf16 inputs, rounded at
+// 2^-9, put the prefill logits 40x further from an f32 reference.
 
 #define GEMM_ROWS 128    // weight rows per block: two 64-row halves
 #define GEMM_DENSE_TOKENS 128 // tokens per block of a dense product (the N of the products)
@@ -38,6 +40,12 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t w, __half2 scale, __ha
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// A pair of bf16 values (first in the low half) as the half2 of the same values.
+__device__ __forceinline__ uint32_t bf16_pair_to_half2(uint32_t w) {
+    const __half2 h = __floats2half2_rn(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // The input stored at position i of a row permuted for BITS-bit weights (see above; bf16 weights
 // take their inputs in order).
 __device__ __forceinline__ int permuted_input(int i, int bits) {
@@ -47,25 +55,19 @@ __device__ __forceinline__ int permuted_input(int i, int bits) {
     return (i & ~7) + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
 }
 
-// Stores the group of eight inputs v at dst (16-byte aligned) for `bits`-bit weights: position i
-// holds v[permuted_input(i, bits)], in fp16 (bf16 for bf16 weights).
+// Stores the group of eight inputs v at dst (16-byte aligned) in fp16, permuted for `bits`-bit
+// weights: position i holds v[permuted_input(i, bits)].
 __device__ __forceinline__ void store_eight_permuted(__half* dst, const float (&v)[8], int bits) {
-    __align__(16) uint16_t h[8];
-    if (bits == 16) {
+    __align__(16) __half h[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) h[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v[i]));
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            h[i] = __half_as_ushort(__float2half_rn(bits == 8 ? v[permuted_input(i, 8)] : v[permuted_input(i, 4)]));
-    }
+    for (int i = 0; i < 8; ++i) h[i] = __float2half_rn(v[permuted_input(i, bits)]);
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(h);
 }
 
-// x16[t] = x[t] / xscale[t] in fp16, bf16 for bf16 weights (RMS-normalised and scaled by
-// norm_scale first when it is non-null), inputs permuted within groups of 8 for `bits`-bit
-// weights (see above); xscale[t] is the power of two that brings max |x[t]| under 2^15. One block
-// of 256 threads per token, a group of 8 inputs per thread at a time; K a multiple of 8.
+// x16[t] = x[t] / xscale[t] in fp16 (RMS-normalised and scaled by norm_scale first when it is
+// non-null), inputs permuted within groups of 8 for `bits`-bit weights (see above); xscale[t] is
+// the power of two that brings max |x[t]| under 2^15. One block of 256 threads per token, a
+// group of 8 inputs per thread at a time; K a multiple of 8.
 extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, int K, const float* norm_scale, float eps,
                                                               int bits, __half* x16, float* xscale) {
     __shared__ float scratch[64];
@@ -128,38 +130,31 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
 }
 
-// The accumulators of a 64 x 64 and a 64 x 128 warpgroup product as asm operands.
-#define WGMMA_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define WGMMA_D64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-
-// The warpgroup product D (64 rows x 64 tokens, f32) += A (64 rows x 16 inputs, fp16 or bf16 as
-// TYPE says, this warp's 16 rows in a0..a3 as for mma.sync m16n8k16) x B (16 inputs x 64 tokens
-// of the same type in shared memory, described by `desc`). Asynchronous: see wgmma_commit /
-// wgmma_wait.
-template <bool BF16>
+// The warpgroup product D (64 rows x 64 tokens, f32) += A (64 rows x 16 inputs, fp16, this
+// warp's 16 rows in a0..a3 as for mma.sync m16n8k16) x B (16 inputs x 64 tokens in shared
+// memory, described by `desc`). Asynchronous: see wgmma_commit / wgmma_wait.
 __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                uint64_t desc) {
-    if constexpr (BF16)
-        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
-                     : WGMMA_D32
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
-    else
-        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
-                     : WGMMA_D32
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
 }
 // As wgmma_64x64x16 for 128 tokens.
-template <bool BF16>
 __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                 uint64_t desc) {
-    if constexpr (BF16)
-        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
-                     : WGMMA_D64
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
-    else
-        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
-                     : WGMMA_D64
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
 }
 // Orders this thread's register writes before the next wgmma reads them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -207,12 +202,15 @@ struct GemmStage {
 
 // The warpgroup product D (64 rows x TOKENS tokens, f32) += A (64 rows x 16 inputs in registers)
 // x B (16 inputs x TOKENS tokens in shared memory).
-template <int TOKENS, bool BF16>
-__device__ __forceinline__ void wgmma_tile(float (&d)[TOKENS / 2], const uint32_t (&a)[4], uint64_t desc) {
-    if constexpr (TOKENS == 64)
-        wgmma_64x64x16<BF16>(d, a[0], a[1], a[2], a[3], desc);
-    else
-        wgmma_64x128x16<BF16>(d, a[0], a[1], a[2], a[3], desc);
+template <int TOKENS>
+__device__ __forceinline__ void wgmma_tile(float (&d)[TOKENS / 2], const uint32_t (&a)[4], uint64_t desc);
+template <>
+__device__ __forceinline__ void wgmma_tile<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+    wgmma_64x64x16(d, a[0], a[1], a[2], a[3], desc);
+}
+template <>
+__device__ __forceinline__ void wgmma_tile<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+    wgmma_64x128x16(d, a[0], a[1], a[2], a[3], desc);
 }
 
 // y[out(i), r] (+)= sum_k x16[in(i), k] w[row_base + r, k] * xscale[in(i)] (in and out: the
@@ -381,10 +379,10 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
                     const uint32_t* lo = reinterpret_cast<const uint32_t*>(&st.w[row][0]);
                     const uint32_t* hi = reinterpret_cast<const uint32_t*>(&st.w[row + 8][0]);
                     const int first = 4 * ((2 * j) ^ g) + c, second = 4 * ((2 * j + 1) ^ g) + c;
-                    aj[m][0] = lo[first];
-                    aj[m][1] = hi[first];
-                    aj[m][2] = lo[second];
-                    aj[m][3] = hi[second];
+                    aj[m][0] = bf16_pair_to_half2(lo[first]);
+                    aj[m][1] = bf16_pair_to_half2(hi[first]);
+                    aj[m][2] = bf16_pair_to_half2(lo[second]);
+                    aj[m][3] = bf16_pair_to_half2(hi[second]);
                 } else {
                     const uint4 lo = st.w[row][BITS == 4 ? hh : j], hi = st.w[row + 8][BITS == 4 ? hh : j];
                     // (x, y) or (z, w) for 4-bit (by j, known at compile time); (x, z) or (y, w)
@@ -405,7 +403,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
             const uint64_t desc = smem_desc_swizzled(reinterpret_cast<const char*>(&st.x[0][0]) + 32 * j);
             wgmma_fence();
 #pragma unroll
-            for (int m = 0; m < 2; ++m) wgmma_tile<TOKENS, BITS == 16>(acc[m], aj[m], desc);
+            for (int m = 0; m < 2; ++m) wgmma_tile<TOKENS>(acc[m], aj[m], desc);
             wgmma_commit();
             // Step j - 1's products are done, so its A registers may be rewritten at j + 1.
             wgmma_wait<1>();
@@ -586,8 +584,8 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_peak(int iters, float* o
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            wgmma_64x64x16<false>(acc[0], a, a, a, a, desc);
-            wgmma_64x64x16<false>(acc[1], a, a, a, a, desc);
+            wgmma_64x64x16(acc[0], a, a, a, a, desc);
+            wgmma_64x64x16(acc[1], a, a, a, a, desc);
         }
         wgmma_commit();
         wgmma_wait<0>();
