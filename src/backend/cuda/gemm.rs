@@ -86,8 +86,8 @@ impl CudaBackend {
     }
 
     /// x16, xscale = the `n` rows of `cols` floats at `x` (RMS-normalised and scaled by `norm`
-    /// when given) in fp16 (bf16 for bf16 weights), each divided by its power-of-two scale, in
-    /// the order the tensor-core products of `bits`-bit weights read (rows_to_half).
+    /// when given) in fp16, each divided by its power-of-two scale, in the order the tensor-core
+    /// products of `bits`-bit weights read (rows_to_half).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn rows_to_half(
         &self,
@@ -120,7 +120,7 @@ impl CudaBackend {
         }
     }
 
-    /// y (+)= x16 · wᵀ for `n` rows already in fp16 or bf16 (gemm_q).
+    /// y (+)= x16 · wᵀ for `n` rows already in fp16 (gemm_q).
     pub(super) fn gemm_rows(
         &self,
         w: &DeviceWeight,

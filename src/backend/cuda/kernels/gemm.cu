@@ -16,9 +16,10 @@
 // fp16 holds x after division by a per-token power of two (|x / s| < 2^15); the products
 // accumulate in f32 and the epilogue multiplies s back.
 //
-// bf16 weights are converted to fp16 in registers (exact for the magnitudes fp16 holds; the host
-// sends only matrices whose every value is under fp16's largest, see on_tensor_cores), their
-// inputs in natural order: lane c of a quad takes word c of each 16-byte chunk of its 16 inputs.
+// bf16 weights are converted to fp16 in registers (exact from 2^-14 up to fp16's largest, smaller
+// magnitudes within 2^-25; the host sends only matrices whose every value is under fp16's
+// largest, see on_tensor_cores), their inputs in natural order: lane c of a quad takes word c of
+// each 16-byte chunk of its 16 inputs.
 // fp16 rather than both operands in bf16 (wgmma takes one type for both): bf16 inputs, rounded at
 // 2^-9, put the prefill logits 40x further from an f32 reference.
 

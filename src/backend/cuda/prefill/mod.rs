@@ -45,8 +45,7 @@ const ATTENTION_PREFILL_THREADS: u32 = 128;
 pub(super) struct PrefillScratch {
     tokens: CudaSlice<i32>,
     x: CudaSlice<f32>,
-    /// Inputs of a tensor-core product in fp16 (bf16 for bf16 weights), and each token's
-    /// power-of-two scale.
+    /// Inputs of a tensor-core product in fp16, and each token's power-of-two scale.
     x16: CudaSlice<u16>,
     xscale: CudaSlice<f32>,
     /// The storage `mixer` and `moe` point into.
