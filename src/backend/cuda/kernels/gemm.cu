@@ -29,7 +29,11 @@
 #define GEMM_GROUP_TOKENS_WIDE 128 // the same, for chunks that give the experts more tokens
 #define GEMM_THREADS 128 // one warpgroup
 #define GEMM_K 64        // inputs per pipeline stage
-#define GEMM_STAGES 4    // stages in dynamic shared memory: three loads in flight while one is multiplied
+// Pipeline stages in dynamic shared memory (loads in flight while one is multiplied): four for
+// 4/8-bit weights; three for bf16, whose stages are 2-4x larger, so that two blocks of 128 tokens
+// (103 KB each) share an SM where four stages (137 KB) left one.
+template <int BITS>
+__host__ __device__ constexpr int gemm_stages() { return BITS == 16 ? 3 : 4; }
 
 // The lane's pair of quantised values in word w (already shifted right by the lane's offset:
 // 4c bits for 4-bit, 8 (c & 1) for 8-bit) as the half2 (scale * q + bias) of each.
@@ -221,7 +225,7 @@ __device__ __forceinline__ void wgmma_tile<128>(float (&d)[64], const uint32_t (
 // split). The grids put the token tiles along x, so the blocks that share a row block run
 // together and read its weights from DRAM once.
 //
-// Weights, inputs and the words holding the rows' scales and biases stream through GEMM_STAGES
+// Weights, inputs and the words holding the rows' scales and biases stream through gemm_stages
 // stages of dynamic shared memory with cp.async (out-of-range rows and tokens clamped, inputs
 // past K zero-filled). The block is one warpgroup: per 16 inputs, warp w dequantises its rows
 // 16w .. 16w + 15 of both 64-row halves into registers and the warpgroup issues two
@@ -237,6 +241,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     constexpr int W_COPIES = GEMM_ROWS * CHUNKS / GEMM_THREADS;  // per thread and stage
     constexpr int X_COPIES = TOKENS * 8 / GEMM_THREADS;
     constexpr int SB_COPIES = GEMM_ROWS * 4 / GEMM_THREADS;
+    constexpr int STAGES = gemm_stages<BITS>();
     using Stage = GemmStage<BITS, TOKENS>;
     extern __shared__ __align__(16) uint4 gemm_smem[];
     // The dynamic shared memory's start rounded up to 1024 bytes (the host adds the slack).
@@ -315,7 +320,7 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
     const int shift = BITS == 4 ? 4 * c : 8 * (c & 1);
 
 #pragma unroll
-    for (int s = 0; s < GEMM_STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
         if (s < steps) issue(s, s);
         cp_async_commit();
     }
@@ -331,14 +336,14 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
         }
     float acc[2][TOKENS / 2] = {};
     for (int step = 0; step < steps; ++step) {
-        cp_async_wait<GEMM_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         fence_proxy_async();
         __syncthreads();
-        const int ahead = step + GEMM_STAGES - 1;
-        if (ahead < steps) issue(ahead % GEMM_STAGES, ahead);
+        const int ahead = step + STAGES - 1;
+        if (ahead < steps) issue(ahead % STAGES, ahead);
         cp_async_commit();
 
-        const Stage& st = stages[step % GEMM_STAGES];
+        const Stage& st = stages[step % STAGES];
         __half2 scale[2][2][2], bias[2][2][2];
         if constexpr (BITS != 16) {
 #pragma unroll
