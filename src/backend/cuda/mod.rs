@@ -474,7 +474,7 @@ fn moe_down_smem(c: &ModelConfig, smem_per_sm: u32) -> u32 {
 fn staged_floats_bits(cols: usize, bits: usize) -> usize {
     let floats = match bits {
         4 => cols / 2 + cols / 16,
-        8 => cols + cols / 16,
+        8 => cols / 2 + cols / 8,
         _ => cols,
     };
     floats.next_multiple_of(4)

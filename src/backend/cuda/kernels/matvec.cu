@@ -7,8 +7,10 @@
 // x is RMS-normalised and scaled first. Several tokens at once: blockIdx.y is the token, whose x
 // and y rows follow each other (w.cols and w.rows floats apart).
 // A warp dots one row at a time, four 16-byte chunks per lane per pass (rows of up to 128 chunks
-// in one pass). Shared memory: 64 + staged_floats(cols) floats.
-extern "C" __global__ void __launch_bounds__(256, 3) matvec(Weight w, const float* x, const float* norm_scale, float eps,
+// in one pass). Shared memory: 64 + staged_floats(cols) floats. At most 72 registers: the 8-bit
+// path would take 75, which the allocation rounds up to 80 for every format, leaving less room on
+// an SM beside its three blocks (the 4-bit path needs under 72).
+extern "C" __global__ void __maxnreg__(72) matvec(Weight w, const float* x, const float* norm_scale, float eps,
                                                          float* y, int accumulate) {
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];

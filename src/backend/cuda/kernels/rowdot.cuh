@@ -13,7 +13,10 @@
 // 32-value chunk (the 16 bytes of a row one lane loads), and a 32-bit word of weights (8
 // nibbles) costs two masks, one shift and four dp2a (two 16-bit inputs times two 8-bit weights
 // each): 0.9 instructions per value, summed exactly in int32 (|sum| < 32 * 15 * 32767). The
-// chunk's result is scale_w * xscale * sum(q * xq) + bias_w * csum.
+// chunk's result is scale_w * xscale * sum(q * xq) + bias_w * csum. 8-bit rows are dotted the
+// same way over 16-value chunks: a word of 4 bytes is two dp2a with no masking at all (0.5
+// instructions per value, |sum| < 16 * 255 * 32767), where converting each byte to a float and
+// multiplying it took ~3 and held the 8-bit products at about half the copy rate.
 //
 // Rounding x to 32767 levels of its chunk's largest magnitude costs at most 2^-16 of that
 // magnitude per value and the sums are exact, where the half2 dot this replaced rounded every
@@ -25,7 +28,9 @@
 //   4-bit: 16-byte entry k * chunks + c (word k = 0..3 of chunk c, inputs i = 32c + 8k + j) holds
 //          the int16 pairs (x[i], x[i+2]), (x[i+4], x[i+6]), (x[i+1], x[i+3]), (x[i+5], x[i+7]);
 //          then per chunk the float2 (xscale, csum).
-//   8-bit: float4 k * chunks + c (k = 0..3) holds x[16c + 4k .. 16c + 4k + 3]; then csum[c].
+//   8-bit: 16-byte entry h * chunks + c (h = 0, 1: inputs i = 16c + 8h + j) holds the int16 pairs
+//          (x[i], x[i+1]), (x[i+2], x[i+3]), (x[i+4], x[i+5]), (x[i+6], x[i+7]); then per chunk
+//          the float2 (xscale, csum).
 //   bf16:  float4 k * chunks + c (k = 0..1) holds x[8c + 4k .. 8c + 4k + 3].
 // The 32 lanes of a warp work on 32 consecutive chunks and so read 32 consecutive 16-byte
 // entries: no bank conflicts.
@@ -45,12 +50,6 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 __device__ __forceinline__ uint4 lds128(uint32_t address) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
-    return v;
-}
-
-__device__ __forceinline__ float lds32(uint32_t address) {
-    float v;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address));
     return v;
 }
 
@@ -116,21 +115,23 @@ __device__ __forceinline__ void source_eight(const StageSource& src, const float
 }
 
 // Stores word t (inputs 8t .. 8t + 7, their values e) of a staged input of `cols` values into
-// xs, in the layout above. Called by whole warps, consecutive words on consecutive lanes: a 4-bit
-// chunk's scale and sum are shuffled over its four words, an 8-bit chunk's sum over its two.
-// Lanes past the input (valid false) take part in the shuffles with zeros and store nothing.
+// xs, in the layout above. Called by whole warps, consecutive words on consecutive lanes: a
+// quantised chunk's scale and sum are shuffled over its words (four of a 4-bit chunk, two of an
+// 8-bit one). Lanes past the input (valid false) take part in the shuffles with zeros and store
+// nothing.
 template <int BITS>
 __device__ __forceinline__ void stage_word(int t, bool valid, int cols, const float (&e)[8], float* xs) {
-    if (BITS == 4) {
-        const int chunks = cols / 32;
+    if (BITS == 4 || BITS == 8) {
+        constexpr int WORDS = BITS == 4 ? 4 : 2;  // words of 8 inputs per chunk
+        const int chunks = cols / (8 * WORDS);
         float2* chunk_stats = reinterpret_cast<float2*>(xs + cols / 2);
-        const int c = t >> 2, k = t & 3;
+        const int c = t / WORDS, k = t % WORDS;
         float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
         float mx = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fabsf(e[j]));
 #pragma unroll
-        for (int o = 1; o <= 2; o <<= 1) {
+        for (int o = 1; o < WORDS; o <<= 1) {
             sum += __shfl_xor_sync(0xffffffffu, sum, o);
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         }
@@ -140,24 +141,17 @@ __device__ __forceinline__ void stage_word(int t, bool valid, int cols, const fl
         for (int j = 0; j < 8; ++j) q[j] = static_cast<uint32_t>(__float2int_rn(e[j] * to_int)) & 0xffffu;
         if (valid) {
             reinterpret_cast<uint4*>(xs)[k * chunks + c] =
-                make_uint4(q[0] | q[2] << 16, q[4] | q[6] << 16, q[1] | q[3] << 16, q[5] | q[7] << 16);
+                BITS == 4 ? make_uint4(q[0] | q[2] << 16, q[4] | q[6] << 16, q[1] | q[3] << 16, q[5] | q[7] << 16)
+                          : make_uint4(q[0] | q[1] << 16, q[2] | q[3] << 16, q[4] | q[5] << 16, q[6] | q[7] << 16);
             if (k == 0) chunk_stats[c] = make_float2(mx * (1.0f / 32767.0f), sum);
         }
     } else {
-        constexpr int VPC = 128 / BITS;
-        const int chunks = cols / VPC;
-        // Word t: inputs 8t.. of chunk c = 8t / VPC, float4s q and q + 1 of it.
-        const int c = (8 * t) / VPC, q = ((8 * t) % VPC) / 4;
+        const int chunks = cols / 8;
+        // Word t is chunk t: float4s 0 and 1 of it.
         if (valid) {
             float4* x4 = reinterpret_cast<float4*>(xs);
-            x4[q * chunks + c] = make_float4(e[0], e[1], e[2], e[3]);
-            x4[(q + 1) * chunks + c] = make_float4(e[4], e[5], e[6], e[7]);
-        }
-        if (BITS == 8) {
-            // A 16-value chunk is two consecutive words.
-            float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            if ((t & 1) == 0 && valid) xs[cols + c] = sum;
+            x4[t] = make_float4(e[0], e[1], e[2], e[3]);
+            x4[chunks + t] = make_float4(e[4], e[5], e[6], e[7]);
         }
     }
 }
@@ -233,14 +227,14 @@ __device__ float stage_by_warp(const StageSource& src, const float* norm_scale, 
 // Floats of shared memory a staged input of `cols` values takes for BITS-bit weights (the layout
 // above), rounded to whole float4s: what several staged inputs side by side each take.
 __host__ __device__ __forceinline__ int staged_floats_bits(int cols, int bits) {
-    const int floats = bits == 4 ? cols / 2 + cols / 16 : bits == 8 ? cols + cols / 16 : cols;
+    const int floats = bits == 4 ? cols / 2 + cols / 16 : bits == 8 ? cols / 2 + cols / 8 : cols;
     return (floats + 3) & ~3;
 }
 
 // The staged input as the dot products read it.
 struct StagedX {
     uint32_t x;     // shared address of the entries
-    uint32_t csum;  // shared address of the chunk sums (4-bit: of the (xscale, csum) pairs)
+    uint32_t csum;  // shared address of the chunks' (xscale, csum) pairs (quantised weights)
     int chunks;
 };
 
@@ -249,7 +243,7 @@ __device__ __forceinline__ StagedX staged_x(const float* xs, int cols) {
     StagedX v;
     v.x = shared_address(xs);
     v.chunks = cols / (128 / BITS);
-    v.csum = shared_address(BITS == 4 ? xs + cols / 2 : xs + cols);
+    v.csum = shared_address(xs + cols / 2);
     return v;
 }
 
@@ -328,10 +322,18 @@ __device__ __forceinline__ int word_dot4(uint32_t w, uint4 x, int acc) {
     return __dp2a_hi(static_cast<int>(x.w), odd, acc);
 }
 
-// The staged entries of chunk c: 4 / 4 / 2 16-byte entries for 4-bit / 8-bit / bf16 weights.
+// sum(q * xq) over one 8-bit word's 4 values (bytes 0..3, unsigned) against the int16 pairs
+// (x0, x1) in lo and (x2, x3) in hi, added to acc.
+__device__ __forceinline__ int word_dot8(uint32_t w, uint32_t lo, uint32_t hi, int acc) {
+    asm("dp2a.lo.s32.u32 %0, %1, %2, %0;" : "+r"(acc) : "r"(lo), "r"(w));
+    asm("dp2a.hi.s32.u32 %0, %1, %2, %0;" : "+r"(acc) : "r"(hi), "r"(w));
+    return acc;
+}
+
+// The staged entries of chunk c: 4 / 2 / 2 16-byte entries for 4-bit / 8-bit / bf16 weights.
 template <int BITS>
 __device__ __forceinline__ void load_x(const StagedX& sx, int c, uint4 (&xv)[4]) {
-    constexpr int N = BITS == 16 ? 2 : 4;
+    constexpr int N = BITS == 4 ? 4 : 2;
 #pragma unroll
     for (int k = 0; k < N; ++k) xv[k] = lds128(sx.x + (uint32_t)(k * sx.chunks + c) * 16u);
 }
@@ -340,39 +342,26 @@ __device__ __forceinline__ float4 as_float4(uint4 v) {
     return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
 }
 
-// q * 2^(P - 23) for the value at bits [P, P + BITS) of w (P + BITS <= 23), via the bits of 1.0f.
-template <int BITS, int P>
-__device__ __forceinline__ float low_bits_f(uint32_t w) {
-    return __uint_as_float(mask_or(w, ((1u << BITS) - 1u) << P, 0x3F800000u)) - 1.0f;
-}
-
 // Adds one chunk (its 16 bytes in u) dotted with its staged entries xv to acc; `stats` is the
-// chunk's (xscale, csum) for 4-bit weights, (csum, unused) for 8-bit.
+// chunk's (xscale, csum) for quantised weights.
 template <int BITS>
 __device__ __forceinline__ void chunk_dot(uint4 u, const uint4 (&xv)[4], float2 stats, scale_t scale_b, scale_t bias_b,
                                           float& acc) {
-    if (BITS == 4) {
-        int q = word_dot4(u.x, xv[0], 0);
-        q = word_dot4(u.y, xv[1], q);
-        q = word_dot4(u.z, xv[2], q);
-        q = word_dot4(u.w, xv[3], q);
+    if (BITS == 4 || BITS == 8) {
+        int q;
+        if (BITS == 4) {
+            q = word_dot4(u.x, xv[0], 0);
+            q = word_dot4(u.y, xv[1], q);
+            q = word_dot4(u.z, xv[2], q);
+            q = word_dot4(u.w, xv[3], q);
+        } else {
+            q = word_dot8(u.x, xv[0].x, xv[0].y, 0);
+            q = word_dot8(u.y, xv[0].z, xv[0].w, q);
+            q = word_dot8(u.z, xv[1].x, xv[1].y, q);
+            q = word_dot8(u.w, xv[1].z, xv[1].w, q);
+        }
         acc = fmaf(scale_f32(scale_b) * stats.x, static_cast<float>(q), acc);
         acc = fmaf(scale_f32(bias_b), stats.y, acc);
-    } else if (BITS == 8) {
-        // Bytes 0-1 in place (bits 0-15); bytes 2-3 after a shift by 16.
-        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-        float a0 = 0.0f, a8 = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const uint32_t lo = w[k], hi = w[k] >> 16;
-            const float4 x = as_float4(xv[k]);
-            a0 += low_bits_f<8, 0>(lo) * x.x;
-            a8 += low_bits_f<8, 8>(lo) * x.y;
-            a0 += low_bits_f<8, 0>(hi) * x.z;
-            a8 += low_bits_f<8, 8>(hi) * x.w;
-        }
-        acc = fmaf(scale_f32(scale_b), a0 * 8388608.0f + a8 * 32768.0f, acc);
-        acc = fmaf(scale_f32(bias_b), stats.x, acc);
     } else {
         const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
@@ -405,9 +394,7 @@ __device__ __forceinline__ void use_pass(const RowRef (&rows)[R], const StagedX&
         const int c = base + j * 32 + lane;
         if (c >= sx.chunks) continue;
         load_x<BITS>(sx, c, xv);
-        const float2 stats = BITS == 4   ? lds64(sx.csum + 8u * c)
-                             : BITS == 8 ? make_float2(lds32(sx.csum + 4u * c), 0.0f)
-                                         : make_float2(0.0f, 0.0f);
+        const float2 stats = BITS == 16 ? make_float2(0.0f, 0.0f) : lds64(sx.csum + 8u * c);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             if (rows[i].data == nullptr) continue;
