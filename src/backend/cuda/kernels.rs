@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use cudarc::nvrtc::{CompileOptions, Ptx};
+use rayon::prelude::*;
 
 /// The architecture every kernel is compiled for (Hopper with its `a` features).
 pub const ARCH: &str = "sm_90a";
@@ -151,18 +152,24 @@ pub fn check_all() -> Result<()> {
             " (traced)",
         ),
     ];
-    for (defines, variant) in &variants {
-        for (name, src) in MODULES {
+    let jobs: Vec<_> = variants
+        .iter()
+        .flat_map(|(defines, variant)| MODULES.iter().map(move |m| (defines, variant, m)))
+        .collect();
+    // In parallel (NVRTC compiles separate programs concurrently), reported in order.
+    let results: Vec<_> = jobs
+        .par_iter()
+        .map(|(defines, _, (name, src))| {
             let start = Instant::now();
-            match compile(name, src, false, defines) {
-                Ok(_) => println!(
-                    "ok     {name}{variant} ({:.2} s)",
-                    start.elapsed().as_secs_f64()
-                ),
-                Err(e) => {
-                    println!("FAILED {name}{variant}\n{e:#}");
-                    failed.push(format!("{name}{variant}"));
-                }
+            (compile(name, src, false, defines), start.elapsed())
+        })
+        .collect();
+    for ((_, variant, (name, _)), (result, took)) in jobs.iter().zip(results) {
+        match result {
+            Ok(_) => println!("ok     {name}{variant} ({:.2} s)", took.as_secs_f64()),
+            Err(e) => {
+                println!("FAILED {name}{variant}\n{e:#}");
+                failed.push(format!("{name}{variant}"));
             }
         }
     }
@@ -177,10 +184,11 @@ pub fn check_all() -> Result<()> {
     Ok(())
 }
 
-/// Compiles every module with `defines` set, for loading into a context.
+/// Compiles every module with `defines` set, for loading into a context. The modules compile in
+/// parallel: a start with nothing cached waits for the slowest one rather than for all in turn.
 pub fn compile_all(defines: &[String]) -> Result<Vec<(&'static str, Ptx)>> {
     MODULES
-        .iter()
+        .par_iter()
         .map(|(name, src)| {
             Ok((
                 *name,
