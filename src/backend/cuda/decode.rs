@@ -3,13 +3,16 @@
 //! sequences, a grid row each, their buffers looked up in the batch tables), and replayed as a
 //! CUDA graph. Its layer parts (the DeltaNet step, attention through the context splits, the
 //! MoE kernels) also serve prefill for weights the tensor-core products do not take, with the
-//! chunk's tokens along a grid dimension.
+//! chunk's tokens along a grid dimension; the other way round, a large batch's routed experts
+//! take prefill's grouped products (each expert's weights read once for all its tokens).
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use crate::config::ModelConfig;
 
+use super::gemm::on_tensor_cores;
+use super::prefill::PrefillScratch;
 use super::weights::{self, DeviceMixer, ptr};
 use super::{
     ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
@@ -19,6 +22,11 @@ use super::{
     StepEnd, arg, attention_tile_row, cfg, moe_down_staged_bytes, moe_token_blocks, staged_bytes,
     staged_floats_bits,
 };
+
+/// Sequences from which a batched decode step's routed experts take prefill's grouped
+/// products (each expert's weights read once for all its tokens) instead of the decode
+/// kernels (each token's experts read for it).
+const GROUPED_DECODE_MIN_TOKENS: usize = 16;
 
 /// Whose tokens a recorded decode step carries.
 #[derive(Clone, Copy)]
@@ -86,6 +94,18 @@ impl CudaBackend {
             weights: p(&sc.weights),
         };
 
+        // A large batch's routed experts take prefill's grouped products, in its scratch.
+        let prefill = if self.groups_decode_experts(rows) && matches!(seqs, StepSeqs::Batch(..)) {
+            Some(
+                self.prefill
+                    .lock()
+                    .map_err(|_| anyhow!("prefill scratch lock poisoned"))?,
+            )
+        } else {
+            None
+        };
+        let grouped = prefill.as_deref();
+
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
             match &layer.mixer {
@@ -133,7 +153,7 @@ impl CudaBackend {
                     attn_i += 1;
                 }
             }
-            self.moe(layer, &moe_buffers, x, rows)?;
+            self.moe(layer, &moe_buffers, x, rows, grouped)?;
         }
         let logits = p(&sc.logits);
         self.matvec(
@@ -453,14 +473,23 @@ impl CudaBackend {
         Ok(s.clone_dtoh(&out)?)
     }
 
+    /// Whether a batched step of `rows` sequences sends its routed experts through prefill's
+    /// grouped products (where the layer's expert weights allow: `routed_experts_group`).
+    fn groups_decode_experts(&self, rows: usize) -> bool {
+        (GROUPED_DECODE_MIN_TOKENS..=self.prefill_chunk).contains(&rows)
+    }
+
     /// The MoE block of a layer for `tokens` rows of the residual `x`, added to it, through the
     /// decode kernels (the tokens along the grid's z dimension); `b` holds a row per token.
+    /// With `grouped` (a large decode batch), the routed experts go through prefill's grouped
+    /// products in that scratch instead, where their weights allow.
     pub(super) fn moe(
         &self,
         layer: &weights::DeviceLayer,
         b: &MoeBuffers,
         x: u64,
         tokens: usize,
+        grouped: Option<&PrefillScratch>,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let post = ptr(&layer.post_norm, s);
@@ -503,7 +532,7 @@ impl CudaBackend {
         }?;
         let routed_blocks = gate_up_blocks(c.moe_intermediate_size) as u32;
         if tokens > 1 {
-            return self.moe_tokens(layer, &dims, b, x, tokens, routed_blocks);
+            return self.moe_tokens(layer, &dims, b, x, tokens, routed_blocks, grouped);
         }
         let launch = cfg(
             routed_blocks,
@@ -536,6 +565,10 @@ impl CudaBackend {
     /// The routed experts of the MoE block for several tokens (after `moe_router_shared`):
     /// each token routed once (`moe_route`), then `moe_gate_up_tokens`, whose blocks take
     /// several tokens each (`routed_blocks` blocks along x, as `moe_gate_up`), and `moe_down`.
+    /// With `grouped` and expert weights that `routed_experts_group` takes, the routed experts
+    /// go through prefill's grouped products instead, and `moe_shared_down` adds the shared
+    /// expert's term.
+    #[allow(clippy::too_many_arguments)]
     fn moe_tokens(
         &self,
         layer: &weights::DeviceLayer,
@@ -544,6 +577,7 @@ impl CudaBackend {
         x: u64,
         tokens: usize,
         routed_blocks: u32,
+        grouped: Option<&PrefillScratch>,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (router, act, ids, weights) = (b.router_logits, b.act, b.ids, b.weights);
@@ -564,6 +598,10 @@ impl CudaBackend {
                 ],
             )
         }?;
+        if let Some(ps) = grouped.filter(|_| routed_experts_group(layer)) {
+            self.routed_experts_grouped(ps, layer, x, tokens, (ids, weights))?;
+            return self.moe_shared_down(layer, dims, act, ids, weights, x, tokens);
+        }
         let tokens32 = tokens as i32;
         let post = ptr(&layer.post_norm, s);
         let (g, u) = (layer.gate.desc(s), layer.up.desc(s));
@@ -654,6 +692,58 @@ impl CudaBackend {
         }?;
         Ok(())
     }
+}
+
+impl CudaBackend {
+    /// `moe_shared_down` for `tokens` rows: the shared expert's down projection, weighted by its
+    /// gate, added to the residual rows `x` (the routed experts' terms are in already).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_shared_down(
+        &self,
+        layer: &weights::DeviceLayer,
+        dims: &MoeDims,
+        act: u64,
+        ids: u64,
+        weights: u64,
+        x: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
+        let blocks =
+            c.hidden_size
+                .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
+        let mut launch = cfg(blocks, 1, MATVEC_THREADS, moe_down_staged_bytes(c));
+        launch.grid_dim.2 = tokens as u32;
+        // SAFETY: act, ids and weights hold `tokens` rows; each output row is owned by one warp.
+        unsafe {
+            self.launch(
+                "moe_shared_down",
+                &self.k.moe_shared_down,
+                launch,
+                &mut [
+                    arg(dims),
+                    arg(&d),
+                    arg(&sd),
+                    arg(&act),
+                    arg(&ids),
+                    arg(&weights),
+                    arg(&x),
+                ],
+            )
+        }
+    }
+}
+
+/// Whether a decode batch's routed experts may take prefill's grouped products: 4- or 8-bit
+/// gate, up and down of one width that the tensor-core products take. (bf16 batches keep the
+/// decode kernels, so that each sequence's results stay bit for bit its own step's.)
+fn routed_experts_group(layer: &weights::DeviceLayer) -> bool {
+    let bits = layer.gate.bits;
+    (bits == 4 || bits == 8)
+        && [&layer.gate, &layer.up, &layer.down]
+            .iter()
+            .all(|w| w.bits == bits && on_tensor_cores(w))
 }
 
 /// Blocks of `attention_split` per context split: each KV head's query heads in tiles of

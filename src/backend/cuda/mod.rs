@@ -58,9 +58,10 @@ const MATVEC_TOKENS: usize = 4;
 /// Passes of the one-token grid over a quantised matrix above which two tokens take
 /// `matvec_mma` instead of `matvec_tokens` (see `matvec_tokens_per_block`).
 const MATVEC_TOKENS_MAX_PASSES: usize = 4;
-/// Tokens per `matvec_mma` block (MMA_TOKENS in matvec.cu) and its resident blocks per SM.
+/// Tokens per tile of the `matvec_mma` kernels (MMA_TOKENS in matvec.cu, the mma's n); their
+/// blocks take 1, 2 or 4 tiles (`matvec_mma`, `matvec_mma_16`, `matvec_mma_32`).
 const MMA_TOKENS: usize = 8;
-const MMA_BLOCKS_PER_SM: usize = 2;
+const MMA_MOST_TILES: usize = 4;
 /// Intermediate rows (gate and up each) per warp of `moe_gate_up` (GATE_UP_ROWS_PER_WARP).
 const GATE_UP_ROWS_PER_WARP: usize = 2;
 /// Output rows per warp of `moe_down` (DOWN_ROWS_PER_WARP).
@@ -538,7 +539,8 @@ struct Kernels {
     matvec_two_rows: CudaFunction,
     matvec_tokens: CudaFunction,
     matvec_two_rows_tokens: CudaFunction,
-    matvec_mma: CudaFunction,
+    /// Blocks of 1, 2 and 4 tiles of MMA_TOKENS tokens.
+    matvec_mma: [CudaFunction; 3],
     embed: CudaFunction,
     deltanet_step: CudaFunction,
     deltanet_step_batched: CudaFunction,
@@ -558,6 +560,7 @@ struct Kernels {
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
     moe_down_batched: CudaFunction,
+    moe_shared_down: CudaFunction,
     moe_gate_up_tokens: CudaFunction,
     argmax_partial: CudaFunction,
     argmax_final: CudaFunction,
@@ -873,7 +876,11 @@ impl CudaBackend {
             matvec_two_rows: get("matvec_two_rows")?,
             matvec_tokens: get("matvec_tokens")?,
             matvec_two_rows_tokens: get("matvec_two_rows_tokens")?,
-            matvec_mma: get("matvec_mma")?,
+            matvec_mma: [
+                get("matvec_mma")?,
+                get("matvec_mma_16")?,
+                get("matvec_mma_32")?,
+            ],
             embed: get("embed")?,
             deltanet_step: get("deltanet_step")?,
             deltanet_step_batched: get("deltanet_step_batched")?,
@@ -893,6 +900,7 @@ impl CudaBackend {
             moe_gate_up: get("moe_gate_up")?,
             moe_down: get("moe_down")?,
             moe_down_batched: get("moe_down_batched")?,
+            moe_shared_down: get("moe_shared_down")?,
             moe_gate_up_tokens: get("moe_gate_up_tokens")?,
             argmax_partial: get("argmax_partial")?,
             argmax_final: get("argmax_final")?,
@@ -914,11 +922,14 @@ impl CudaBackend {
             &k.matvec_two_rows,
             &k.matvec_tokens,
             &k.matvec_two_rows_tokens,
-            &k.matvec_mma,
+            &k.matvec_mma[0],
+            &k.matvec_mma[1],
+            &k.matvec_mma[2],
             &k.moe_router_shared,
             &k.moe_gate_up,
             &k.moe_down,
             &k.moe_down_batched,
+            &k.moe_shared_down,
             &k.moe_gate_up_tokens,
             &k.deltanet_step,
             &k.deltanet_step_batched,
@@ -1306,7 +1317,18 @@ impl CudaBackend {
             };
         }
         if tokens > 1 && mma_takes(w.bits, w.group, w.cols) {
-            let resident = self.num_sms as usize * MMA_BLOCKS_PER_SM;
+            let block_tiles = mma_block_tiles(tokens, w.cols);
+            let kernel = &self.k.matvec_mma[block_tiles.trailing_zeros() as usize];
+            let smem = mma_smem(w.cols, block_tiles);
+            // One wave of persistent blocks: as many as fit on an SM beside each other.
+            let per_sm = kernel
+                .occupancy_max_active_blocks_per_multiprocessor(
+                    MATVEC_THREADS,
+                    smem as usize,
+                    None,
+                )?
+                .max(1) as usize;
+            let resident = self.num_sms as usize * per_sm;
             let (tiles, ksplit) = mma_split(w.rows, w.cols, w.bits, resident * warps);
             let blocks = tiles.div_ceil(warps / ksplit).min(resident);
             let (tokens32, ksplit32) = (tokens as i32, ksplit as i32);
@@ -1315,12 +1337,12 @@ impl CudaBackend {
             return unsafe {
                 self.launch(
                     role,
-                    &self.k.matvec_mma,
+                    kernel,
                     cfg(
                         blocks as u32,
-                        tokens.div_ceil(MMA_TOKENS) as u32,
+                        tokens.div_ceil(MMA_TOKENS * block_tiles) as u32,
                         MATVEC_THREADS,
-                        mma_smem(w.cols),
+                        smem,
                     ),
                     &mut [
                         arg(&desc),
@@ -1839,14 +1861,28 @@ fn mma_takes(bits: usize, group: usize, cols: usize) -> bool {
     (bits == 4 || bits == 8)
         && group >= 128 / bits
         && cols.is_multiple_of(512 / bits)
-        && mma_smem(cols) as usize <= MAX_DYNAMIC_SHARED_BYTES
+        && mma_smem(cols, 1) as usize <= MAX_DYNAMIC_SHARED_BYTES
 }
 
-/// Dynamic shared memory of `matvec_mma` for rows of `cols` inputs: MMA_TOKENS rows of cols + 4
-/// halves, then the tokens' scales (16 floats), then the slices' sums (a float4 per lane of 8
-/// warps).
-fn mma_smem(cols: usize) -> u32 {
-    (MMA_TOKENS * (cols + 4) * 2 + (16 + 8 * 32 * 4) * 4) as u32
+/// Dynamic shared memory of a `matvec_mma` block of `block_tiles` tiles for rows of `cols`
+/// inputs: MMA_TOKENS rows of cols + 4 halves per tile, then the tokens' scales (32 floats),
+/// then the slices' sums (a float4 per lane of 8 warps per tile).
+fn mma_smem(cols: usize, block_tiles: usize) -> u32 {
+    (block_tiles * MMA_TOKENS * (cols + 4) * 2 + (32 + block_tiles * 8 * 32 * 4) * 4) as u32
+}
+
+/// Tiles of MMA_TOKENS tokens per `matvec_mma` block for `tokens` rows of `cols` inputs: enough
+/// for all of them (each weight row is then read once), at most MMA_MOST_TILES, fewer where
+/// their staging would not fit in shared memory.
+fn mma_block_tiles(tokens: usize, cols: usize) -> usize {
+    let mut tiles = tokens
+        .div_ceil(MMA_TOKENS)
+        .next_power_of_two()
+        .min(MMA_MOST_TILES);
+    while tiles > 1 && mma_smem(cols, tiles) as usize > MAX_DYNAMIC_SHARED_BYTES {
+        tiles /= 2;
+    }
+    tiles
 }
 
 /// `matvec_mma`'s tiles of 16 rows of a `rows` x `cols` matrix of `bits` bits and the warps that
@@ -1887,6 +1923,8 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "matvec_tokens",
             "matvec_two_rows_tokens",
             "matvec_mma",
+            "matvec_mma_16",
+            "matvec_mma_32",
             "embed",
         ],
         "deltanet" => &[
@@ -1912,6 +1950,7 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "moe_gate_up",
             "moe_down",
             "moe_down_batched",
+            "moe_shared_down",
             "moe_gate_up_tokens",
             "moe_route",
             "moe_group",
@@ -2056,6 +2095,30 @@ mod tests {
         assert!(!mma_takes(16, 0, 4096));
         assert!(!mma_takes(4, 64, 96));
         assert!(!mma_takes(4, 16, 2048));
+    }
+
+    #[test]
+    fn tensor_core_mat_vec_blocks_take_every_token_their_staging_allows() {
+        // Tiles of 8 tokens per block: all of the batch's, rounded up to 1, 2 or 4.
+        assert_eq!(mma_block_tiles(2, 2048), 1);
+        assert_eq!(mma_block_tiles(8, 2048), 1);
+        assert_eq!(mma_block_tiles(9, 2048), 2);
+        assert_eq!(mma_block_tiles(16, 2048), 2);
+        assert_eq!(mma_block_tiles(17, 2048), 4);
+        assert_eq!(mma_block_tiles(64, 2048), 4);
+        // 32 tokens of 4,096 inputs would stage 262 KB: two tiles, two block rows.
+        assert_eq!(mma_block_tiles(32, 4096), 2);
+        for cols in [512, 2048, 4096, 6144] {
+            for tokens in 2..=40 {
+                let tiles = mma_block_tiles(tokens, cols);
+                assert!(
+                    mma_smem(cols, tiles) as usize <= MAX_DYNAMIC_SHARED_BYTES,
+                    "{tokens} tokens of {cols}"
+                );
+            }
+        }
+        // One tile: rows of cols + 4 halves, 32 scales, a float4 per lane of 8 warps.
+        assert_eq!(mma_smem(2048, 1), (8 * 2052 * 2 + (32 + 1024) * 4) as u32);
     }
 
     #[test]

@@ -124,17 +124,18 @@ __device__ __forceinline__ uint32_t mma_dequant(uint32_t w, int shift, __half2 s
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Stages `tokens` (at most MMA_TOKENS) rows of x ([tokens, cols]) as fp16 in the mma order, row t
-// at xs + t * stride halves (zeros for rows past `tokens`), and out_scale[t] = what each product
+// Stages `tokens` (at most `rows`, a multiple of MMA_TOKENS) rows of x ([tokens, cols]) as fp16 in
+// the mma order, row t at xs + t * stride halves (zeros for rows past `tokens` up to `rows`), and
+// out_scale[t] = what each product
 // with row t must be multiplied by (its power of two; the staged values already include the RMS
 // norm when norm_scale is given). A warp per row, 8 inputs per lane at a time, loads unrolled so
 // that several are in flight: the row's sum of squares and largest magnitude first, then the
 // conversion (reading the row again, from L1). cols: a multiple of 8.
 template <int BITS>
-__device__ void mma_stage(const float* x, int cols, int tokens, const float* norm_scale, float eps, __half* xs,
-                          int stride, float* out_scale) {
+__device__ void mma_stage(const float* x, int cols, int tokens, int rows, const float* norm_scale, float eps,
+                          __half* xs, int stride, float* out_scale) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    for (int t = threadIdx.x >> 5; t < MMA_TOKENS; t += warps) {
+    for (int t = threadIdx.x >> 5; t < rows; t += warps) {
         __half* row = xs + (size_t)t * stride;
         const float* xr = x + (size_t)t * cols;
         float ss = 0.0f, mx = 0.0f;
@@ -204,11 +205,12 @@ __device__ __forceinline__ void mma_load(const RowRef& lo, const RowRef& hi, int
     }
 }
 
-// Adds the pass's products with the staged inputs (token g's row at xs + g * stride halves) to
-// acc (the C fragment: rows g, g + 8 by tokens 2c, 2c + 1).
-template <int BITS>
+// Adds the pass's products with the staged inputs (token t's row at xs + t * stride halves) to
+// acc[n] (the C fragment of tokens 8 n .. 8 n + 7: rows g, g + 8 by tokens 8 n + 2c, + 2c + 1):
+// each weight fragment is dequantised once for the NT tiles of 8 tokens.
+template <int BITS, int NT>
 __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks, uint32_t xs, int stride, int g,
-                                        int c, float (&acc)[4]) {
+                                        int c, float (&acc)[NT][4]) {
     constexpr int VPC = 128 / BITS;  // inputs per 16-byte chunk
 #pragma unroll
     for (int j = 0; j < MMA_PASS; ++j) {
@@ -229,8 +231,12 @@ __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks
                 a[1] = mma_dequant<BITS>(wh[k], s0, p.scale_hi[j], p.bias_hi[j]);
                 a[2] = mma_dequant<BITS>(wl[k], s1, p.scale_lo[j], p.bias_lo[j]);
                 a[3] = mma_dequant<BITS>(wh[k], s1, p.scale_hi[j], p.bias_hi[j]);
-                const float2 b = lds64(x_at + 2u * (uint32_t)(k * (VPC / 4) + 4 * h));
-                mma_f16_16816(acc, a, __float_as_uint(b.x), __float_as_uint(b.y));
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const uint32_t at = x_at + 2u * (uint32_t)(n * MMA_TOKENS * stride + k * (VPC / 4) + 4 * h);
+                    const float2 b = lds64(at);
+                    mma_f16_16816(acc[n], a, __float_as_uint(b.x), __float_as_uint(b.y));
+                }
             }
         }
     }
@@ -238,20 +244,21 @@ __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks
 
 // y[t] = W x[t] (+= when `accumulate`; x RMS-normalised by norm_scale when non-null) for the
 // `tokens` rows of x and y of a batched decode step, on tensor cores: block row blockIdx.y takes
-// tokens MMA_TOKENS * blockIdx.y .. + MMA_TOKENS - 1. `ksplit` warps (1, 2, 4 or 8) share a tile
+// tokens NT * MMA_TOKENS * blockIdx.y .. + NT * MMA_TOKENS - 1, each weight row read once for
+// all of them. `ksplit` warps (1, 2, 4 or 8) share a tile
 // of 16 weight rows, each a slice of its chunks, so that matrices of few rows still spread over
 // every SM; the block's warps hold 8 / ksplit tiles at a time, persistent over the rows, and
 // add up a tile's slices in shared memory. W: 4- or 8-bit, groups of at least 128 / bits
-// inputs, chunks per row (cols * bits / 128) a multiple of 4 * ksplit. Shared memory:
-// MMA_TOKENS * (cols + 4) halves, then 16 floats (the tokens' scales), then 8 * 32 * 4 floats
-// (the slices' sums).
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const float* x, const float* norm_scale,
-                                                              float eps, float* y, int accumulate, int tokens,
-                                                              int ksplit) {
-    TRACE_BLOCK();
+// inputs, chunks per row (cols * bits / 128) a multiple of 4 * ksplit. Shared memory (mma_smem
+// in mod.rs): NT * MMA_TOKENS * (cols + 4) halves, then 32 floats (the tokens' scales), then
+// NT * 8 * 32 * 4 floats (the slices' sums).
+template <int NT>
+__device__ __forceinline__ void matvec_mma_impl(const Weight& w, const float* x, const float* norm_scale, float eps,
+                                                float* y, int accumulate, int tokens, int ksplit) {
     extern __shared__ __align__(16) float smem[];
-    const int first = blockIdx.y * MMA_TOKENS;
-    tokens = min(MMA_TOKENS, tokens - first);
+    constexpr int ROWS = NT * MMA_TOKENS;
+    const int first = blockIdx.y * ROWS;
+    tokens = min(ROWS, tokens - first);
     x += (size_t)first * w.cols;
     y += (size_t)first * w.rows;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
@@ -260,9 +267,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const 
     // and 4 chunks then fall in distinct banks but for pairs.
     const int stride = w.cols + 4;
     __half* xs = reinterpret_cast<__half*>(smem);
-    float* out_scale = reinterpret_cast<float*>(xs + MMA_TOKENS * stride);
-    // [warp][lane] float4s, 16-byte aligned: after MMA_TOKENS scales, padded to 16 floats.
-    float* slices = out_scale + 16;
+    float* out_scale = reinterpret_cast<float*>(xs + ROWS * stride);
+    // [n][warp][lane] float4s, 16-byte aligned: after 32 scales.
+    float* slices = out_scale + 32;
     const int chunks = (w.cols * w.bits) >> 7;
     const int tiles = (w.rows + 15) >> 4;
     const int per_block = warps / ksplit, slice = warp % ksplit;
@@ -274,15 +281,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const 
     if (w.bits == 4) mma_load<4>(lo, hi, begin, end, w.group_shift, c, pass);
     else mma_load<8>(lo, hi, begin, end, w.group_shift, c, pass);
     wait_for_previous_kernel();
-    if (w.bits == 4) mma_stage<4>(x, w.cols, tokens, norm_scale, eps, xs, stride, out_scale);
-    else mma_stage<8>(x, w.cols, tokens, norm_scale, eps, xs, stride, out_scale);
+    if (w.bits == 4) mma_stage<4>(x, w.cols, tokens, ROWS, norm_scale, eps, xs, stride, out_scale);
+    else mma_stage<8>(x, w.cols, tokens, ROWS, norm_scale, eps, xs, stride, out_scale);
     const uint32_t xs_at = shared_address(xs);
     // A block-uniform trip count: the slices meet at barriers.
     for (int group = blockIdx.x; group * per_block < tiles; group += gridDim.x) {
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[NT][4] = {};
         for (int chunk0 = begin;;) {
-            if (w.bits == 4) mma_use<4>(pass, chunk0, end, xs_at, stride, g, c, acc);
-            else mma_use<8>(pass, chunk0, end, xs_at, stride, g, c, acc);
+            if (w.bits == 4) mma_use<4, NT>(pass, chunk0, end, xs_at, stride, g, c, acc);
+            else mma_use<8, NT>(pass, chunk0, end, xs_at, stride, g, c, acc);
             chunk0 += 4 * MMA_PASS;
             if (chunk0 >= end) break;
             if (w.bits == 4) mma_load<4>(lo, hi, chunk0, end, w.group_shift, c, pass);
@@ -295,31 +302,63 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const 
         if (w.bits == 4) mma_load<4>(lo, hi, begin, end, w.group_shift, c, pass);
         else mma_load<8>(lo, hi, begin, end, w.group_shift, c, pass);
         if (ksplit > 1) {
-            float4* mine = reinterpret_cast<float4*>(slices) + warp * 32 + lane;
-            *mine = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                float4* mine = reinterpret_cast<float4*>(slices) + (n * warps + warp) * 32 + lane;
+                *mine = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
+            }
             __syncthreads();
             if (slice == 0) {
-                for (int s = 1; s < ksplit; ++s) {
-                    const float4 o = mine[s * 32];
-                    acc[0] += o.x;
-                    acc[1] += o.y;
-                    acc[2] += o.z;
-                    acc[3] += o.w;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const float4* mine = reinterpret_cast<const float4*>(slices) + (n * warps + warp) * 32 + lane;
+                    for (int s = 1; s < ksplit; ++s) {
+                        const float4 o = mine[s * 32];
+                        acc[n][0] += o.x;
+                        acc[n][1] += o.y;
+                        acc[n][2] += o.z;
+                        acc[n][3] += o.w;
+                    }
                 }
             }
             __syncthreads();
         }
-        // acc: (row, token 2c), (row, 2c + 1), (row + 8, 2c), (row + 8, 2c + 1).
+        // acc[n]: (row, token 8n + 2c), (row, 8n + 2c + 1), (row + 8, 8n + 2c), (row + 8, 8n + 2c + 1).
         if (slice == 0) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int t = 2 * c + (i & 1), r = row + 8 * (i >> 1);
-                if (t < tokens && r < w.rows) {
-                    float* out = y + (size_t)t * w.rows + r;
-                    const float v = acc[i] * out_scale[t];
-                    *out = accumulate ? *out + v : v;
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int t = n * MMA_TOKENS + 2 * c + (i & 1), r = row + 8 * (i >> 1);
+                    if (t < tokens && r < w.rows) {
+                        float* out = y + (size_t)t * w.rows + r;
+                        const float v = acc[n][i] * out_scale[t];
+                        *out = accumulate ? *out + v : v;
+                    }
                 }
-            }
         }
     }
+}
+
+// matvec_mma_impl for 8, 16 and 32 tokens a block (wider blocks read each weight row once for
+// more tokens, but stage more inputs: mma_tiles in mod.rs picks).
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const float* x, const float* norm_scale,
+                                                              float eps, float* y, int accumulate, int tokens,
+                                                              int ksplit) {
+    TRACE_BLOCK();
+    matvec_mma_impl<1>(w, x, norm_scale, eps, y, accumulate, tokens, ksplit);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma_16(Weight w, const float* x, const float* norm_scale,
+                                                                 float eps, float* y, int accumulate, int tokens,
+                                                                 int ksplit) {
+    TRACE_BLOCK();
+    matvec_mma_impl<2>(w, x, norm_scale, eps, y, accumulate, tokens, ksplit);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) matvec_mma_32(Weight w, const float* x, const float* norm_scale,
+                                                                 float eps, float* y, int accumulate, int tokens,
+                                                                 int ksplit) {
+    TRACE_BLOCK();
+    matvec_mma_impl<4>(w, x, norm_scale, eps, y, accumulate, tokens, ksplit);
 }

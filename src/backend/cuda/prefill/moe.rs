@@ -1,6 +1,7 @@
 //! The MoE block over a prefill chunk: with 4- or 8-bit experts, routing, grouping by expert and
 //! the experts' products per tile on tensor cores (`gemm_q_grouped`), all on the GPU; other
-//! formats run the decode kernels with the chunk's tokens along a grid dimension.
+//! formats run the decode kernels with the chunk's tokens along a grid dimension. The grouped
+//! routed experts also serve large decode batches (`routed_experts_grouped`).
 
 use anyhow::Result;
 use cudarc::driver::CudaSlice;
@@ -62,7 +63,7 @@ impl CudaBackend {
                 ids: ps.moe.ids,
                 weights: ps.moe.weights,
             };
-            self.moe(layer, &buffers, x, n)
+            self.moe(layer, &buffers, x, n, None)
         }
     }
 
@@ -109,6 +110,46 @@ impl CudaBackend {
                 ],
             )
         }?;
+        self.routed_experts_grouped(ps, layer, x, n, (ids, weights))?;
+        let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
+        let (gate_rows, up_rows) = (m.gate_rows, m.up_rows);
+        let (act16, actscale) = (m.act16, m.actscale);
+        let top_k = c.num_experts_per_tok as i32;
+
+        // The shared expert, dense over the chunk, weighted by its sigmoid gate.
+        let shared_inter = c.shared_expert_intermediate_size;
+        let shared_gate_up = [&layer.shared_gate, &layer.shared_up];
+        self.gemm_rows_pair(shared_gate_up, x16, xs, n, [gate_rows, up_rows])?;
+        self.swiglu(
+            gate_rows,
+            up_rows,
+            weights,
+            (1, top_k + 1, top_k),
+            (shared_inter, layer.shared_down.bits),
+            n,
+            act16,
+            actscale,
+        )?;
+        self.gemm_rows(&layer.shared_down, act16, actscale, n, x, true)
+    }
+
+    /// The routed experts of the MoE block for `n` token rows of the residual `x`, routed
+    /// already (`ids`, `weights`: moe_route's rows), grouped by expert so that each expert's
+    /// weights are read once for all its tokens: the assignments sorted into tiles, the normed
+    /// input in fp16 (left in `ps.x16` for the shared expert), gate/up and down on tensor cores,
+    /// the weighted rows added to `x`. Chunked prefill and large decode batches.
+    pub(in crate::backend::cuda) fn routed_experts_grouped(
+        &self,
+        ps: &PrefillScratch,
+        layer: &DeviceLayer,
+        x: u64,
+        n: usize,
+        (ids, weights): (u64, u64),
+    ) -> Result<()> {
+        let (c, s) = (&self.config, &self.stream);
+        let m = &ps.moe;
+        let dims = MoeDims::new(c);
+        let post = ptr(&layer.post_norm, s);
         let (order, tiles, tile_count) = (m.order, m.tiles, m.tile_count);
         let (n32, tile) = (n as i32, group_tile(c, n));
         let tile32 = tile as i32;
@@ -131,7 +172,7 @@ impl CudaBackend {
             )
         }?;
         // The normed input of every expert, shared included, in fp16.
-        let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
+        let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
         self.rows_to_half(x, c.hidden_size, Some(post), layer.gate.bits, n, x16, xs)?;
         let (gate_rows, up_rows, down_rows) = (m.gate_rows, m.up_rows, m.down_rows);
         let (act16, actscale) = (m.act16, m.actscale);
@@ -219,21 +260,7 @@ impl CudaBackend {
             )
         }?;
 
-        // The shared expert, dense over the chunk, weighted by its sigmoid gate.
-        let shared_inter = c.shared_expert_intermediate_size;
-        let shared_gate_up = [&layer.shared_gate, &layer.shared_up];
-        self.gemm_rows_pair(shared_gate_up, x16, xs, n, [gate_rows, up_rows])?;
-        self.swiglu(
-            gate_rows,
-            up_rows,
-            weights,
-            (1, top_k + 1, top_k),
-            (shared_inter, layer.shared_down.bits),
-            n,
-            act16,
-            actscale,
-        )?;
-        self.gemm_rows(&layer.shared_down, act16, actscale, n, x, true)
+        Ok(())
     }
 
     /// act16 = silu(gate) * up * weight per row, in fp16 with a per-row scale, permuted for the
