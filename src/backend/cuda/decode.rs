@@ -692,9 +692,7 @@ impl CudaBackend {
         }?;
         Ok(())
     }
-}
 
-impl CudaBackend {
     /// `moe_shared_down` for `tokens` rows: the shared expert's down projection, weighted by its
     /// gate, added to the residual rows `x` (the routed experts' terms are in already).
     #[allow(clippy::too_many_arguments)]
