@@ -6,13 +6,13 @@
 //! chunk's tokens along a grid dimension; the other way round, a large batch's routed experts
 //! take prefill's grouped products (each expert's weights read once for all its tokens).
 
-use anyhow::{Context, Result, anyhow, ensure};
+use anyhow::{Context, Result, ensure};
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use crate::config::ModelConfig;
 
 use super::gemm::on_tensor_cores;
-use super::prefill::PrefillScratch;
+use super::prefill::GroupedExperts;
 use super::weights::{self, DeviceMixer, ptr};
 use super::{
     ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
@@ -95,16 +95,8 @@ impl CudaBackend {
         };
 
         // A large batch's routed experts take prefill's grouped products, in its scratch.
-        let prefill = if self.groups_decode_experts(rows) && matches!(seqs, StepSeqs::Batch(..)) {
-            Some(
-                self.prefill
-                    .lock()
-                    .map_err(|_| anyhow!("prefill scratch lock poisoned"))?,
-            )
-        } else {
-            None
-        };
-        let grouped = prefill.as_deref();
+        let grouped = (self.groups_decode_experts(rows) && matches!(seqs, StepSeqs::Batch(..)))
+            .then_some(&self.grouped_experts);
 
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
@@ -489,7 +481,7 @@ impl CudaBackend {
         b: &MoeBuffers,
         x: u64,
         tokens: usize,
-        grouped: Option<&PrefillScratch>,
+        grouped: Option<&GroupedExperts>,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let post = ptr(&layer.post_norm, s);
@@ -577,7 +569,7 @@ impl CudaBackend {
         x: u64,
         tokens: usize,
         routed_blocks: u32,
-        grouped: Option<&PrefillScratch>,
+        grouped: Option<&GroupedExperts>,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (router, act, ids, weights) = (b.router_logits, b.act, b.ids, b.weights);
@@ -598,8 +590,8 @@ impl CudaBackend {
                 ],
             )
         }?;
-        if let Some(ps) = grouped.filter(|_| routed_experts_group(layer)) {
-            self.routed_experts_grouped(ps, layer, x, tokens, (ids, weights))?;
+        if let Some(g) = grouped.filter(|_| routed_experts_group(layer)) {
+            self.routed_experts_grouped(g, layer, x, tokens, (ids, weights))?;
             return self.moe_shared_down(layer, dims, act, ids, weights, x, tokens);
         }
         let tokens32 = tokens as i32;

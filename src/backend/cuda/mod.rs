@@ -750,6 +750,8 @@ pub struct CudaBackend {
     /// Chunk activations of the prefill path, allocated with the backend so that the first
     /// prompt does not pay for them.
     prefill: Mutex<prefill::PrefillScratch>,
+    /// Where in it large decode batches' routed experts are grouped (`record_step`).
+    grouped_experts: prefill::GroupedExperts,
     /// Tokens per prefill chunk (`CudaOptions::prefill_chunk`).
     prefill_chunk: usize,
     /// Per-part prefill timing, when `time_prefill_parts` runs.
@@ -1061,6 +1063,7 @@ impl CudaBackend {
             .min(MAX_DYNAMIC_SHARED_BYTES);
         let prefill_chunk = opts.prefill_chunk.min(opts.max_context);
         let prefill = prefill::PrefillScratch::new(&stream, c, prefill_chunk)?;
+        let grouped_experts = prefill.grouped_experts(&stream);
         stream.synchronize()?;
         Ok(Self {
             config,
@@ -1080,6 +1083,7 @@ impl CudaBackend {
             down_smem,
             moe_tokens_smem,
             prefill: Mutex::new(prefill),
+            grouped_experts,
             prefill_chunk,
             timer: Mutex::new(timing::PartTimer::default()),
             prefix: timing::LaunchPrefix::default(),

@@ -75,6 +75,7 @@ struct MixerScratch {
 }
 
 /// Device addresses of the MoE's pieces (in `PrefillScratch::layer`).
+#[derive(Clone, Copy)]
 struct MoeScratch {
     router_logits: u64,
     ids: u64,
@@ -187,7 +188,27 @@ impl MoeScratch {
     }
 }
 
+/// The pieces of the prefill scratch that the grouped routed experts use, by device address
+/// (`routed_experts_grouped`): large decode batches' steps use them too, without the scratch's
+/// lock. Graphs capture addresses, and everything runs on the backend's one stream, so prefill
+/// chunks and decode steps take turns.
+#[derive(Clone, Copy)]
+pub(super) struct GroupedExperts {
+    moe: MoeScratch,
+    x16: u64,
+    xscale: u64,
+}
+
 impl PrefillScratch {
+    /// The device addresses of the grouped routed experts' pieces.
+    pub(super) fn grouped_experts(&self, s: &CudaStream) -> GroupedExperts {
+        GroupedExperts {
+            moe: self.moe,
+            x16: ptr(&self.x16, s),
+            xscale: ptr(&self.xscale, s),
+        }
+    }
+
     /// Device memory the scratch holds.
     pub(super) fn bytes(&self) -> usize {
         self.tokens.num_bytes()

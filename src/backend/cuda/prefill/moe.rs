@@ -6,7 +6,7 @@
 use anyhow::Result;
 use cudarc::driver::CudaSlice;
 
-use super::PrefillScratch;
+use super::{GroupedExperts, PrefillScratch};
 use crate::backend::cuda::gemm::{
     GEMM_GROUP_TOKENS, GEMM_GROUP_TOKENS_WIDE, GEMM_ROWS, GEMM_THREADS, gemm_smem_bytes,
     on_tensor_cores,
@@ -110,7 +110,7 @@ impl CudaBackend {
                 ],
             )
         }?;
-        self.routed_experts_grouped(ps, layer, x, n, (ids, weights))?;
+        self.routed_experts_grouped(&ps.grouped_experts(s), layer, x, n, (ids, weights))?;
         let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
         let (gate_rows, up_rows) = (m.gate_rows, m.up_rows);
         let (act16, actscale) = (m.act16, m.actscale);
@@ -136,18 +136,18 @@ impl CudaBackend {
     /// The routed experts of the MoE block for `n` token rows of the residual `x`, routed
     /// already (`ids`, `weights`: moe_route's rows), grouped by expert so that each expert's
     /// weights are read once for all its tokens: the assignments sorted into tiles, the normed
-    /// input in fp16 (left in `ps.x16` for the shared expert), gate/up and down on tensor cores,
+    /// input in fp16 (left in `g.x16` for the shared expert), gate/up and down on tensor cores,
     /// the weighted rows added to `x`. Chunked prefill and large decode batches.
     pub(in crate::backend::cuda) fn routed_experts_grouped(
         &self,
-        ps: &PrefillScratch,
+        g: &GroupedExperts,
         layer: &DeviceLayer,
         x: u64,
         n: usize,
         (ids, weights): (u64, u64),
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
-        let m = &ps.moe;
+        let m = &g.moe;
         let dims = MoeDims::new(c);
         let post = ptr(&layer.post_norm, s);
         let (order, tiles, tile_count) = (m.order, m.tiles, m.tile_count);
@@ -172,7 +172,7 @@ impl CudaBackend {
             )
         }?;
         // The normed input of every expert, shared included, in fp16.
-        let (x16, xs) = (ptr(&ps.x16, s), ptr(&ps.xscale, s));
+        let (x16, xs) = (g.x16, g.xscale);
         self.rows_to_half(x, c.hidden_size, Some(post), layer.gate.bits, n, x16, xs)?;
         let (gate_rows, up_rows, down_rows) = (m.gate_rows, m.up_rows, m.down_rows);
         let (act16, actscale) = (m.act16, m.actscale);
