@@ -18,9 +18,9 @@ use super::{
     ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
     AttentionBuffers, AttentionDims, AttentionSeqs, AttentionSplits, BatchTables, COMBINE_DIMS,
     COMBINE_PARTS, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape,
-    GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS, Slot,
-    StepEnd, arg, attention_tile_row, cfg, moe_down_staged_bytes, moe_token_blocks, staged_bytes,
-    staged_floats_bits,
+    GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MmaRows, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS,
+    Slot, StepEnd, arg, attention_tile_row, cfg, mma_takes, moe_down_staged_bytes,
+    moe_token_blocks, staged_bytes, staged_floats_bits,
 };
 
 /// Sequences from which a batched decode step's routed experts take prefill's grouped
@@ -466,7 +466,7 @@ impl CudaBackend {
     }
 
     /// Whether a batched step of `rows` sequences sends its routed experts through prefill's
-    /// grouped products (where the layer's expert weights allow: `routed_experts_group`).
+    /// grouped products (where the layer's expert weights allow: `experts_group`).
     fn groups_decode_experts(&self, rows: usize) -> bool {
         (GROUPED_DECODE_MIN_TOKENS..=self.prefill_chunk).contains(&rows)
     }
@@ -557,9 +557,9 @@ impl CudaBackend {
     /// The routed experts of the MoE block for several tokens (after `moe_router_shared`):
     /// each token routed once (`moe_route`), then `moe_gate_up_tokens`, whose blocks take
     /// several tokens each (`routed_blocks` blocks along x, as `moe_gate_up`), and `moe_down`.
-    /// With `grouped` and expert weights that `routed_experts_group` takes, the routed experts
-    /// go through prefill's grouped products instead, and `moe_shared_down` adds the shared
-    /// expert's term.
+    /// With `grouped` and expert weights that `experts_group` takes, the routed experts
+    /// go through prefill's grouped products instead, and `matvec_mma` adds the shared
+    /// expert's term for all the tokens at once.
     #[allow(clippy::too_many_arguments)]
     fn moe_tokens(
         &self,
@@ -590,9 +590,29 @@ impl CudaBackend {
                 ],
             )
         }?;
-        if let Some(g) = grouped.filter(|_| routed_experts_group(layer)) {
+        if let Some(g) = grouped.filter(|_| experts_group(layer)) {
             self.routed_experts_grouped(g, layer, x, tokens, (ids, weights))?;
-            return self.moe_shared_down(layer, dims, act, ids, weights, x, tokens);
+            // The shared expert's down projection for all the tokens at once, weighted by its
+            // gate (slot top_k of each token's activations and routing weights).
+            let (top_k, width) = (
+                c.num_experts_per_tok,
+                c.moe_intermediate_size
+                    .max(c.shared_expert_intermediate_size),
+            );
+            let shared = MmaRows {
+                x: act + (top_k * width * 4) as u64,
+                x_stride: (top_k + 1) * width,
+                norm: 0,
+                weight: Some((weights + (top_k * 4) as u64, top_k + 1)),
+            };
+            return self.matvec_mma(
+                "moe_shared_down",
+                &layer.shared_down,
+                shared,
+                x,
+                true,
+                tokens,
+            );
         }
         let tokens32 = tokens as i32;
         let post = ptr(&layer.post_norm, s);
@@ -684,56 +704,20 @@ impl CudaBackend {
         }?;
         Ok(())
     }
-
-    /// `moe_shared_down` for `tokens` rows: the shared expert's down projection, weighted by its
-    /// gate, added to the residual rows `x` (the routed experts' terms are in already).
-    #[allow(clippy::too_many_arguments)]
-    fn moe_shared_down(
-        &self,
-        layer: &weights::DeviceLayer,
-        dims: &MoeDims,
-        act: u64,
-        ids: u64,
-        weights: u64,
-        x: u64,
-        tokens: usize,
-    ) -> Result<()> {
-        let (c, s) = (&self.config, &self.stream);
-        let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
-        let blocks =
-            c.hidden_size
-                .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
-        let mut launch = cfg(blocks, 1, MATVEC_THREADS, moe_down_staged_bytes(c));
-        launch.grid_dim.2 = tokens as u32;
-        // SAFETY: act, ids and weights hold `tokens` rows; each output row is owned by one warp.
-        unsafe {
-            self.launch(
-                "moe_shared_down",
-                &self.k.moe_shared_down,
-                launch,
-                &mut [
-                    arg(dims),
-                    arg(&d),
-                    arg(&sd),
-                    arg(&act),
-                    arg(&ids),
-                    arg(&weights),
-                    arg(&x),
-                ],
-            )
-        }
-    }
 }
 
-/// Whether a decode batch's routed experts may take prefill's grouped products: 4- or 8-bit
-/// gate, up and down of one width that the tensor-core products take. (bf16 batches keep the
-/// decode kernels, so that each sequence's results stay bit for bit its own step's.)
-fn routed_experts_group(layer: &weights::DeviceLayer) -> bool {
+/// Whether a decode batch's routed experts may take prefill's grouped products (4- or 8-bit
+/// gate, up and down of one width that the tensor-core products take), and its shared expert's
+/// down projection `matvec_mma`. (bf16 batches keep the decode kernels, so that each sequence's
+/// results stay bit for bit its own step's.)
+fn experts_group(layer: &weights::DeviceLayer) -> bool {
     let bits = layer.gate.bits;
+    let sd = &layer.shared_down;
     (bits == 4 || bits == 8)
         && [&layer.gate, &layer.up, &layer.down]
             .iter()
             .all(|w| w.bits == bits && on_tensor_cores(w))
+        && mma_takes(sd.bits, sd.group, sd.cols)
 }
 
 /// Blocks of `attention_split` per context split: each KV head's query heads in tiles of

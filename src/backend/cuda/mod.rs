@@ -560,7 +560,6 @@ struct Kernels {
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
     moe_down_batched: CudaFunction,
-    moe_shared_down: CudaFunction,
     moe_gate_up_tokens: CudaFunction,
     argmax_partial: CudaFunction,
     argmax_final: CudaFunction,
@@ -902,7 +901,6 @@ impl CudaBackend {
             moe_gate_up: get("moe_gate_up")?,
             moe_down: get("moe_down")?,
             moe_down_batched: get("moe_down_batched")?,
-            moe_shared_down: get("moe_shared_down")?,
             moe_gate_up_tokens: get("moe_gate_up_tokens")?,
             argmax_partial: get("argmax_partial")?,
             argmax_final: get("argmax_final")?,
@@ -931,7 +929,6 @@ impl CudaBackend {
             &k.moe_gate_up,
             &k.moe_down,
             &k.moe_down_batched,
-            &k.moe_shared_down,
             &k.moe_gate_up_tokens,
             &k.deltanet_step,
             &k.deltanet_step_batched,
@@ -1321,45 +1318,13 @@ impl CudaBackend {
             };
         }
         if tokens > 1 && mma_takes(w.bits, w.group, w.cols) {
-            let block_tiles = mma_block_tiles(tokens, w.cols);
-            let kernel = &self.k.matvec_mma[block_tiles.trailing_zeros() as usize];
-            let smem = mma_smem(w.cols, block_tiles);
-            // One wave of persistent blocks: as many as fit on an SM beside each other.
-            let per_sm = kernel
-                .occupancy_max_active_blocks_per_multiprocessor(
-                    MATVEC_THREADS,
-                    smem as usize,
-                    None,
-                )?
-                .max(1) as usize;
-            let resident = self.num_sms as usize * per_sm;
-            let (tiles, ksplit) = mma_split(w.rows, w.cols, w.bits, resident * warps);
-            let blocks = tiles.div_ceil(warps / ksplit).min(resident);
-            let (tokens32, ksplit32) = (tokens as i32, ksplit as i32);
-            // SAFETY: x and y hold `tokens` rows of w.cols and w.rows floats; the weights are
-            // of a layout matvec_mma takes (mma_takes), its staging in mma_smem bytes.
-            return unsafe {
-                self.launch(
-                    role,
-                    kernel,
-                    cfg(
-                        blocks as u32,
-                        tokens.div_ceil(MMA_TOKENS * block_tiles) as u32,
-                        MATVEC_THREADS,
-                        smem,
-                    ),
-                    &mut [
-                        arg(&desc),
-                        arg(&x),
-                        arg(&norm),
-                        arg(&eps),
-                        arg(&y),
-                        arg(&acc),
-                        arg(&tokens32),
-                        arg(&ksplit32),
-                    ],
-                )
+            let rows = MmaRows {
+                x,
+                x_stride: w.cols,
+                norm,
+                weight: None,
             };
+            return self.matvec_mma(role, w, rows, y, accumulate, tokens);
         }
         let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
         let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
@@ -1386,6 +1351,64 @@ impl CudaBackend {
             )
         }?;
         Ok(())
+    }
+
+    /// y[t] (+)= W · rows' x[t] on tensor cores (`matvec_mma`, blocks of up to 32 tokens, each
+    /// weight row read once per block) for `tokens` rows; `w` of a layout `mma_takes`.
+    fn matvec_mma(
+        &self,
+        role: &'static str,
+        w: &DeviceWeight,
+        rows: MmaRows,
+        y: u64,
+        accumulate: bool,
+        tokens: usize,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let desc = w.desc(s);
+        let eps = self.config.rms_norm_eps;
+        let warps = MATVEC_THREADS as usize / 32;
+        let block_tiles = mma_block_tiles(tokens, w.cols);
+        let kernel = &self.k.matvec_mma[block_tiles.trailing_zeros() as usize];
+        let smem = mma_smem(w.cols, block_tiles);
+        // One wave of persistent blocks: as many as fit on an SM beside each other.
+        let per_sm = kernel
+            .occupancy_max_active_blocks_per_multiprocessor(MATVEC_THREADS, smem as usize, None)?
+            .max(1) as usize;
+        let resident = self.num_sms as usize * per_sm;
+        let (tiles, ksplit) = mma_split(w.rows, w.cols, w.bits, resident * warps);
+        let blocks = tiles.div_ceil(warps / ksplit).min(resident);
+        let (acc, tokens32, ksplit32) = (accumulate as i32, tokens as i32, ksplit as i32);
+        let (x_stride, norm) = (rows.x_stride as i32, rows.norm);
+        let (weight, weight_stride) = rows.weight.map_or((0, 0), |(p, s)| (p, s as i32));
+        // SAFETY: x holds `tokens` rows of w.cols floats x_stride apart, y `tokens` rows of
+        // w.rows, the row weights (if any) `tokens` entries; the weights are of a layout
+        // matvec_mma takes (mma_takes), its staging in mma_smem bytes.
+        unsafe {
+            self.launch(
+                role,
+                kernel,
+                cfg(
+                    blocks as u32,
+                    tokens.div_ceil(MMA_TOKENS * block_tiles) as u32,
+                    MATVEC_THREADS,
+                    smem,
+                ),
+                &mut [
+                    arg(&desc),
+                    arg(&rows.x),
+                    arg(&x_stride),
+                    arg(&norm),
+                    arg(&eps),
+                    arg(&weight),
+                    arg(&weight_stride),
+                    arg(&y),
+                    arg(&acc),
+                    arg(&tokens32),
+                    arg(&ksplit32),
+                ],
+            )
+        }
     }
 
     /// Tokens per block of `matvec_tokens` for `tokens` rows of `w`'s inputs, or None where the
@@ -1858,10 +1881,20 @@ fn matvec_tokens_smem(cols: usize, tokens: usize) -> u32 {
         + tokens as u32 * staged_bytes(&[cols])
 }
 
+/// The inputs of a `matvec_mma` product: rows of x `x_stride` floats apart, RMS-normalised by
+/// the scale at `norm` unless it is 0, each token's products times a weight (`weight`: its
+/// address and the floats between consecutive tokens' weights) when given.
+pub(super) struct MmaRows {
+    pub x: u64,
+    pub x_stride: usize,
+    pub norm: u64,
+    pub weight: Option<(u64, usize)>,
+}
+
 /// Whether `matvec_mma` takes weights of `bits` bits in groups of `group`, rows of `cols`: 4-
 /// or 8-bit, each 16-byte chunk of a row inside one group, rows of whole quads of chunks, and
 /// its staging within the shared memory it may use.
-fn mma_takes(bits: usize, group: usize, cols: usize) -> bool {
+pub(super) fn mma_takes(bits: usize, group: usize, cols: usize) -> bool {
     (bits == 4 || bits == 8)
         && group >= 128 / bits
         && cols.is_multiple_of(512 / bits)
@@ -1954,7 +1987,6 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
             "moe_gate_up",
             "moe_down",
             "moe_down_batched",
-            "moe_shared_down",
             "moe_gate_up_tokens",
             "moe_route",
             "moe_group",

@@ -124,20 +124,21 @@ __device__ __forceinline__ uint32_t mma_dequant(uint32_t w, int shift, __half2 s
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Stages `tokens` (at most `rows`, a multiple of MMA_TOKENS) rows of x ([tokens, cols]) as fp16 in
-// the mma order, row t at xs + t * stride halves (zeros for rows past `tokens` up to `rows`), and
-// out_scale[t] = what each product
-// with row t must be multiplied by (its power of two; the staged values already include the RMS
-// norm when norm_scale is given). A warp per row, 8 inputs per lane at a time, loads unrolled so
-// that several are in flight: the row's sum of squares and largest magnitude first, then the
-// conversion (reading the row again, from L1). cols: a multiple of 8.
+// Stages `tokens` (at most `rows`, a multiple of MMA_TOKENS) rows of x (cols values each, x_stride
+// apart) as fp16 in the mma order, row t at xs + t * stride halves (zeros for rows past `tokens` up
+// to `rows`), and out_scale[t] = what each product with row t must be multiplied by (its power of
+// two, times row_weight[t * row_weight_stride] when row_weight is non-null; the staged values
+// already include the RMS norm when norm_scale is given). A warp per row, 8 inputs per lane at a
+// time, loads unrolled so that several are in flight: the row's sum of squares and largest
+// magnitude first, then the conversion (reading the row again, from L1). cols: a multiple of 8.
 template <int BITS>
-__device__ void mma_stage(const float* x, int cols, int tokens, int rows, const float* norm_scale, float eps,
-                          __half* xs, int stride, float* out_scale) {
+__device__ void mma_stage(const float* x, int cols, int x_stride, int tokens, int rows, const float* norm_scale,
+                          float eps, const float* row_weight, int row_weight_stride, __half* xs, int stride,
+                          float* out_scale) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     for (int t = threadIdx.x >> 5; t < rows; t += warps) {
         __half* row = xs + (size_t)t * stride;
-        const float* xr = x + (size_t)t * cols;
+        const float* xr = x + (size_t)t * x_stride;
         float ss = 0.0f, mx = 0.0f;
         if (t < tokens) {
 #pragma unroll 4
@@ -175,7 +176,8 @@ __device__ void mma_stage(const float* x, int cols, int tokens, int rows, const 
             reinterpret_cast<uint2*>(row + i)[0] = *reinterpret_cast<const uint2*>(h);
             reinterpret_cast<uint2*>(row + i)[1] = *reinterpret_cast<const uint2*>(h + 4);
         }
-        if (lane == 0) out_scale[t] = pow2;
+        if (lane == 0)
+            out_scale[t] = row_weight != nullptr && t < tokens ? pow2 * row_weight[t * row_weight_stride] : pow2;
     }
     __syncthreads();
 }
@@ -242,8 +244,9 @@ __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks
     }
 }
 
-// y[t] = W x[t] (+= when `accumulate`; x RMS-normalised by norm_scale when non-null) for the
-// `tokens` rows of x and y of a batched decode step, on tensor cores: block row blockIdx.y takes
+// y[t] = W x[t] (+= when `accumulate`; x RMS-normalised by norm_scale when non-null; times
+// row_weight[t * row_weight_stride] when that is non-null) for the `tokens` rows of x (x_stride
+// floats apart) and y of a batched decode step, on tensor cores: block row blockIdx.y takes
 // tokens NT * MMA_TOKENS * blockIdx.y .. + NT * MMA_TOKENS - 1, each weight row read once for
 // all of them. `ksplit` warps (1, 2, 4 or 8) share a tile
 // of 16 weight rows, each a slice of its chunks, so that matrices of few rows still spread over
@@ -253,14 +256,16 @@ __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks
 // in mod.rs): NT * MMA_TOKENS * (cols + 4) halves, then 32 floats (the tokens' scales), then
 // NT * 8 * 32 * 4 floats (the slices' sums).
 template <int NT>
-__device__ __forceinline__ void matvec_mma_impl(const Weight& w, const float* x, const float* norm_scale, float eps,
-                                                float* y, int accumulate, int tokens, int ksplit) {
+__device__ __forceinline__ void matvec_mma_impl(const Weight& w, const float* x, int x_stride, const float* norm_scale,
+                                                float eps, const float* row_weight, int row_weight_stride, float* y,
+                                                int accumulate, int tokens, int ksplit) {
     extern __shared__ __align__(16) float smem[];
     constexpr int ROWS = NT * MMA_TOKENS;
     const int first = blockIdx.y * ROWS;
     tokens = min(ROWS, tokens - first);
-    x += (size_t)first * w.cols;
+    x += (size_t)first * x_stride;
     y += (size_t)first * w.rows;
+    if (row_weight != nullptr) row_weight += (size_t)first * row_weight_stride;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     // Rows of consecutive tokens 2 cols + 8 bytes apart: the 8-byte loads of a warp's 8 tokens
@@ -281,8 +286,12 @@ __device__ __forceinline__ void matvec_mma_impl(const Weight& w, const float* x,
     if (w.bits == 4) mma_load<4>(lo, hi, begin, end, w.group_shift, c, pass);
     else mma_load<8>(lo, hi, begin, end, w.group_shift, c, pass);
     wait_for_previous_kernel();
-    if (w.bits == 4) mma_stage<4>(x, w.cols, tokens, ROWS, norm_scale, eps, xs, stride, out_scale);
-    else mma_stage<8>(x, w.cols, tokens, ROWS, norm_scale, eps, xs, stride, out_scale);
+    if (w.bits == 4)
+        mma_stage<4>(x, w.cols, x_stride, tokens, ROWS, norm_scale, eps, row_weight, row_weight_stride, xs, stride,
+                     out_scale);
+    else
+        mma_stage<8>(x, w.cols, x_stride, tokens, ROWS, norm_scale, eps, row_weight, row_weight_stride, xs, stride,
+                     out_scale);
     const uint32_t xs_at = shared_address(xs);
     // A block-uniform trip count: the slices meet at barriers.
     for (int group = blockIdx.x; group * per_block < tiles; group += gridDim.x) {
@@ -341,24 +350,30 @@ __device__ __forceinline__ void matvec_mma_impl(const Weight& w, const float* x,
 }
 
 // matvec_mma_impl for 8, 16 and 32 tokens a block (wider blocks read each weight row once for
-// more tokens, but stage more inputs: mma_tiles in mod.rs picks).
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const float* x, const float* norm_scale,
-                                                              float eps, float* y, int accumulate, int tokens,
-                                                              int ksplit) {
+// more tokens, but stage more inputs: mma_block_tiles in mod.rs picks).
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const float* x, int x_stride,
+                                                              const float* norm_scale, float eps,
+                                                              const float* row_weight, int row_weight_stride,
+                                                              float* y, int accumulate, int tokens, int ksplit) {
     TRACE_BLOCK();
-    matvec_mma_impl<1>(w, x, norm_scale, eps, y, accumulate, tokens, ksplit);
+    matvec_mma_impl<1>(w, x, x_stride, norm_scale, eps, row_weight, row_weight_stride, y, accumulate, tokens,
+                       ksplit);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma_16(Weight w, const float* x, const float* norm_scale,
-                                                                 float eps, float* y, int accumulate, int tokens,
-                                                                 int ksplit) {
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma_16(Weight w, const float* x, int x_stride,
+                                                                 const float* norm_scale, float eps,
+                                                                 const float* row_weight, int row_weight_stride,
+                                                                 float* y, int accumulate, int tokens, int ksplit) {
     TRACE_BLOCK();
-    matvec_mma_impl<2>(w, x, norm_scale, eps, y, accumulate, tokens, ksplit);
+    matvec_mma_impl<2>(w, x, x_stride, norm_scale, eps, row_weight, row_weight_stride, y, accumulate, tokens,
+                       ksplit);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) matvec_mma_32(Weight w, const float* x, const float* norm_scale,
-                                                                 float eps, float* y, int accumulate, int tokens,
-                                                                 int ksplit) {
+extern "C" __global__ void __launch_bounds__(256, 1) matvec_mma_32(Weight w, const float* x, int x_stride,
+                                                                 const float* norm_scale, float eps,
+                                                                 const float* row_weight, int row_weight_stride,
+                                                                 float* y, int accumulate, int tokens, int ksplit) {
     TRACE_BLOCK();
-    matvec_mma_impl<4>(w, x, norm_scale, eps, y, accumulate, tokens, ksplit);
+    matvec_mma_impl<4>(w, x, x_stride, norm_scale, eps, row_weight, row_weight_stride, y, accumulate, tokens,
+                       ksplit);
 }

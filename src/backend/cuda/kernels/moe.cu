@@ -13,7 +13,8 @@
 // several tokens in turn, and moe_down with a grid row per token, which can request its routed
 // rows before its wait (the routing is two launches back). Large decode batches of 4- or 8-bit
 // experts send the routed experts through prefill's grouped products instead (each expert's
-// weights read once for all its tokens) and add the shared expert's term with moe_shared_down.
+// weights read once for all its tokens) and the shared expert's down projection through
+// matvec_mma (matvec.cu).
 //
 // Slots 0..top_k-1 are routed experts, slot top_k is the shared expert, whose weight is
 // sigmoid(shared_expert_gate · x); moe_down folds each slot's weight into its staged
@@ -395,9 +396,7 @@ __device__ __forceinline__ void down_first_pass(const MoeDims& d, const Weight& 
 // Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP), 1, tokens). Shared memory: 64 + staged_floats(top_k *
 // intermediate) + staged_floats(shared_intermediate) floats. routed_early: the routing was
 // written two launches back (moe_route, for several tokens), so the routed rows are requested
-// before the wait; else by the previous kernel (moe_gate_up), and after it. ROUTED false: the
-// shared expert's term alone (the routed experts' went through prefill's grouped products).
-template <bool ROUTED>
+// before the wait; else by the previous kernel (moe_gate_up), and after it.
 __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& down, const Weight& shared_down,
                                               const float* act, const int* ids_in, const float* weights_in,
                                               float* residual, int routed_early) {
@@ -415,44 +414,38 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
         case 8: down_shared_prefetch<8>(shared_down, r0, shared_pass); break;
         default: down_shared_prefetch<16>(shared_down, r0, shared_pass); break;
     }
-    // The residual rows were last written three launches back (the mixer's output projection);
-    // without the routed experts, by the previous kernel (add_expert_rows): after the wait.
+    // The residual rows were last written three launches back (the mixer's output projection).
     float prior[DOWN_ROWS_PER_WARP];
-    if (ROUTED)
 #pragma unroll
-        for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
-            prior[i] = (threadIdx.x & 31) == 0 && r0 + i < d.hidden ? residual[r0 + i] : 0.0f;
+    for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
+        prior[i] = (threadIdx.x & 31) == 0 && r0 + i < d.hidden ? residual[r0 + i] : 0.0f;
     // The routed rows' first pass goes out as soon as the routing is known (read from L2 by each
     // lane), while the activations are staged.
     Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> routed_pass;
-    if (ROUTED && routed_early) down_first_pass(d, down, ids_in, r0, routed_pass);
+    if (routed_early) down_first_pass(d, down, ids_in, r0, routed_pass);
     wait_for_previous_kernel();
-    if (ROUTED && !routed_early) down_first_pass(d, down, ids_in, r0, routed_pass);
-    if (!ROUTED)
-#pragma unroll
-        for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
-            prior[i] = (threadIdx.x & 31) == 0 && r0 + i < d.hidden ? residual[r0 + i] : 0.0f;
+    if (!routed_early) down_first_pass(d, down, ids_in, r0, routed_pass);
     const int stride = max(d.intermediate, d.shared_intermediate);
     float* routed_xs = smem + 64;
-    float* shared_xs = ROUTED ? routed_xs + staged_floats(d.intermediate * d.top_k) : routed_xs;
+    float* shared_xs = routed_xs + staged_floats(d.intermediate * d.top_k);
     const StageSource routed = {act, stride, d.intermediate, d.top_k, weights_in};
     const StageSource shared = {act + (size_t)d.top_k * stride, 0, d.shared_intermediate, 1, weights_in + d.top_k};
-    if (ROUTED) switch (down.bits) {
-            case 4: stage<4>(routed, nullptr, 0.0f, routed_xs, smem); break;
-            case 8: stage<8>(routed, nullptr, 0.0f, routed_xs, smem); break;
-            default: stage<16>(routed, nullptr, 0.0f, routed_xs, smem); break;
-        }
+    switch (down.bits) {
+        case 4: stage<4>(routed, nullptr, 0.0f, routed_xs, smem); break;
+        case 8: stage<8>(routed, nullptr, 0.0f, routed_xs, smem); break;
+        default: stage<16>(routed, nullptr, 0.0f, routed_xs, smem); break;
+    }
     switch (shared_down.bits) {
         case 4: stage<4>(shared, nullptr, 0.0f, shared_xs, smem); break;
         case 8: stage<8>(shared, nullptr, 0.0f, shared_xs, smem); break;
         default: stage<16>(shared, nullptr, 0.0f, shared_xs, smem); break;
     }
     float out[DOWN_ROWS_PER_WARP] = {};
-    if (ROUTED) switch (down.bits) {
-            case 4: down_routed<4>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
-            case 8: down_routed<8>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
-            default: down_routed<16>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
-        }
+    switch (down.bits) {
+        case 4: down_routed<4>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
+        case 8: down_routed<8>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
+        default: down_routed<16>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
+    }
     switch (shared_down.bits) {
         case 4: down_shared<4>(shared_down, shared_xs, r0, shared_pass, out); break;
         case 8: down_shared<8>(shared_down, shared_xs, r0, shared_pass, out); break;
@@ -468,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual, int routed_early) {
     TRACE_BLOCK();
-    moe_down_impl<true>(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
+    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
 }
 
 // moe_down for batched decode steps, whose grid rows (one per token) run in several waves:
@@ -479,17 +472,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_BATCHED_BLOCKS) moe_d
     MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids_in, const float* weights_in,
     float* residual, int routed_early) {
     TRACE_BLOCK();
-    moe_down_impl<true>(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
-}
-
-// The shared expert's term of moe_down alone, for batched decode steps whose routed experts
-// took prefill's grouped products (which added their terms to the residual): residual[r] +=
-// weight[shared] * (shared_down · act[shared])[r], a grid row per token as moe_down_batched.
-extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_BATCHED_BLOCKS) moe_shared_down(
-    MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids_in, const float* weights_in,
-    float* residual) {
-    TRACE_BLOCK();
-    moe_down_impl<false>(d, down, shared_down, act, ids_in, weights_in, residual, 0);
+    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
 }
 
 // Each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot top_k is the
