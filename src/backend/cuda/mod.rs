@@ -1885,10 +1885,10 @@ fn matvec_tokens_smem(cols: usize, tokens: usize) -> u32 {
 /// the scale at `norm` unless it is 0, each token's products times a weight (`weight`: its
 /// address and the floats between consecutive tokens' weights) when given.
 pub(super) struct MmaRows {
-    pub x: u64,
-    pub x_stride: usize,
-    pub norm: u64,
-    pub weight: Option<(u64, usize)>,
+    pub(super) x: u64,
+    pub(super) x_stride: usize,
+    pub(super) norm: u64,
+    pub(super) weight: Option<(u64, usize)>,
 }
 
 /// Whether `matvec_mma` takes weights of `bits` bits in groups of `group`, rows of `cols`: 4-
