@@ -19,7 +19,7 @@ use super::{
     AttentionBuffers, AttentionDims, AttentionSeqs, AttentionSplits, BatchTables, COMBINE_DIMS,
     COMBINE_PARTS, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape,
     GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MmaRows, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS,
-    Slot, StepEnd, arg, attention_tile_row, cfg, mma_takes, moe_down_staged_bytes,
+    Slot, StepEnd, arg, attention_tile_row, cfg, mma_takes, moe_down_staged_bytes, moe_slot_width,
     moe_token_blocks, staged_bytes, staged_floats_bits,
 };
 
@@ -594,11 +594,7 @@ impl CudaBackend {
             self.routed_experts_grouped(g, layer, x, tokens, (ids, weights))?;
             // The shared expert's down projection for all the tokens at once, weighted by its
             // gate (slot top_k of each token's activations and routing weights).
-            let (top_k, width) = (
-                c.num_experts_per_tok,
-                c.moe_intermediate_size
-                    .max(c.shared_expert_intermediate_size),
-            );
+            let (top_k, width) = (c.num_experts_per_tok, moe_slot_width(c));
             let shared = MmaRows {
                 x: act + (top_k * width * 4) as u64,
                 x_stride: (top_k + 1) * width,

@@ -450,6 +450,13 @@ fn attention_tile_row(head_dim: usize) -> usize {
     width + 8
 }
 
+/// Floats per slot of a token's MoE activations (routed experts' and the shared expert's side
+/// by side: `act_width` in moe.cu is top_k + 1 of them).
+fn moe_slot_width(c: &ModelConfig) -> usize {
+    c.moe_intermediate_size
+        .max(c.shared_expert_intermediate_size)
+}
+
 /// Shared memory `moe_down` stages its inputs in: the routed activations one after another,
 /// then the shared expert's.
 fn moe_down_staged_bytes(c: &ModelConfig) -> u32 {
@@ -1008,9 +1015,7 @@ impl CudaBackend {
         let heads_hd = c.num_attention_heads * c.head_dim;
         let proj = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
             .max(heads_hd * 2 + 2 * c.num_key_value_heads * c.head_dim);
-        let inter = c
-            .moe_intermediate_size
-            .max(c.shared_expert_intermediate_size);
+        let inter = moe_slot_width(c);
         let rows = opts.max_sequences;
         let z = |n: usize| stream.alloc_zeros::<f32>((n * rows).max(1));
         let scratch = Scratch {

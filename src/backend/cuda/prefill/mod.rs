@@ -22,7 +22,7 @@ use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
     AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
-    DeltaNetShape, NO_TABLE, StepSeqs, arg, attention_tile_row, cfg,
+    DeltaNetShape, NO_TABLE, StepSeqs, arg, attention_tile_row, cfg, moe_slot_width,
 };
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
@@ -150,9 +150,7 @@ impl MixerScratch {
 
 impl MoeScratch {
     fn carve(c: &ModelConfig, n: usize, r: &mut Region) -> Self {
-        let inter = c
-            .moe_intermediate_size
-            .max(c.shared_expert_intermediate_size);
+        let inter = moe_slot_width(c);
         let (top_k, slots) = (c.num_experts_per_tok, c.num_experts_per_tok + 1);
         let router_logits = r.take::<f32>(ROUTER_SPLITS * n * (c.num_experts + 1));
         let ids = r.take::<i32>(n * slots);

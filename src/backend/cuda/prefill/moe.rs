@@ -110,8 +110,9 @@ impl CudaBackend {
                 ],
             )
         }?;
-        self.routed_experts_grouped(&ps.grouped_experts(s), layer, x, n, (ids, weights))?;
-        let (x16, xs) = (ptr(&ps.x16, s), p(&ps.xscale));
+        let grouped = ps.grouped_experts(s);
+        self.routed_experts_grouped(&grouped, layer, x, n, (ids, weights))?;
+        let (x16, xs) = (grouped.x16, grouped.xscale);
         let (gate_rows, up_rows) = (m.gate_rows, m.up_rows);
         let (act16, actscale) = (m.act16, m.actscale);
         let top_k = c.num_experts_per_tok as i32;
