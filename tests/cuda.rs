@@ -758,7 +758,18 @@ fn decode_attention_matches_an_f64_softmax_over_the_cache() {
             seed ^= seed << 17;
             (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
         };
-        for (positions, splits) in [(1, 256), (37, 1), (300, 256), (1000, 3), (2000, 256)] {
+        // The last three: a token's share of the splits of a batch whose contexts sum to the
+        // third number (8 splits of 256 positions; 8 of 128; one).
+        for (positions, splits, batch) in [
+            (1, 256, None),
+            (37, 1, None),
+            (300, 256, None),
+            (1000, 3, None),
+            (2000, 256, None),
+            (2000, 256, Some(40_000)),
+            (1000, 66, Some(4_100)),
+            (37, 66, Some(131_000)),
+        ] {
             let row = kv_heads * head_dim;
             let q: Vec<f32> = (0..heads * head_dim).map(|_| uniform() * 4.0).collect();
             let gate: Vec<f32> = (0..heads * head_dim).map(|_| uniform() * 3.0).collect();
@@ -767,7 +778,7 @@ fn decode_attention_matches_an_f64_softmax_over_the_cache() {
             let values: Vec<half::bf16> = (0..positions * row).map(|_| bf16(uniform())).collect();
             let bits = |v: &[half::bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
             let got = gpu
-                .attention_over_cache(&q, &bits(&keys), &bits(&values), &gate, splits)
+                .attention_over_cache(&q, &bits(&keys), &bits(&values), &gate, splits, batch)
                 .unwrap();
             let group = heads / kv_heads;
             let scale = 1.0 / (head_dim as f64).sqrt();
@@ -803,11 +814,11 @@ fn decode_attention_matches_an_f64_softmax_over_the_cache() {
             assert!(
                 err < 1e-2,
                 "{heads} heads over {kv_heads} KV heads of {head_dim}, {positions} positions, \
-                 {splits} splits: relative error {err:.2e}"
+                 {splits} splits, batch context {batch:?}: relative error {err:.2e}"
             );
             println!(
                 "attention {heads}/{kv_heads} heads of {head_dim}, {positions} positions, \
-                 {splits} splits: relative error {err:.2e}"
+                 {splits} splits, batch context {batch:?}: relative error {err:.2e}"
             );
         }
     }

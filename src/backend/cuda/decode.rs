@@ -18,9 +18,9 @@ use super::{
     ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
     AttentionBuffers, AttentionDims, AttentionSeqs, AttentionSplits, BatchTables, COMBINE_DIMS,
     COMBINE_PARTS, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape,
-    GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MmaRows, MoeBuffers, MoeDims, ONE_TOKEN, SAMPLE_THREADS,
-    Slot, StepEnd, arg, attention_tile_row, cfg, mma_takes, moe_down_staged_bytes, moe_slot_width,
-    moe_token_blocks, staged_bytes, staged_floats_bits,
+    GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MmaRows, MoeBuffers, MoeDims, NO_BATCH_CONTEXT,
+    ONE_TOKEN, SAMPLE_THREADS, Slot, StepEnd, arg, attention_tile_row, cfg, mma_takes,
+    moe_down_staged_bytes, moe_slot_width, moe_token_blocks, staged_bytes, staged_floats_bits,
 };
 
 /// Sequences from which a batched decode step's routed experts take prefill's grouped
@@ -72,15 +72,30 @@ impl CudaBackend {
             seqs.buffer(|slot| ptr(&slot.position, s), |_| BatchTables::POSITION, s);
         let (token, token_of) = seqs.buffer(|slot| ptr(&slot.token, s), |_| BatchTables::TOKEN, s);
 
+        // A batch whose projections take the tensor-core product shares attention's context
+        // splits among its sequences, by the sum of their lengths that `embed` writes.
+        let batch_context = match seqs {
+            StepSeqs::Batch(..) if self.step_shares_attention_splits(rows) => {
+                ptr(&sc.batch_context, s)
+            }
+            _ => NO_BATCH_CONTEXT,
+        };
         let embed = m.embed.desc(s);
         // SAFETY: x holds a row of hidden_size floats per sequence; the tokens are checked on
-        // the host.
+        // the host; batch_context (when not 0) is one int.
         unsafe {
             self.launch(
                 "embed",
                 &self.k.embed,
                 cfg(c.hidden_size.div_ceil(256) as u32, rows as u32, 256, 0),
-                &mut [arg(&embed), arg(&token), arg(&x), arg(&token_of)],
+                &mut [
+                    arg(&embed),
+                    arg(&token),
+                    arg(&x),
+                    arg(&token_of),
+                    arg(&position_of),
+                    arg(&batch_context),
+                ],
             )
         }?;
 
@@ -134,7 +149,8 @@ impl CudaBackend {
                     self.matvec("qkv", qkv, x, Some(p(&layer.input_norm)), proj, false, rows)?;
                     let norms = [q_norm, k_norm];
                     let q = p(&sc.q);
-                    let attn = AttentionBuffers::new(norms, seqs, attn_i, proj, q, core, s);
+                    let mut attn = AttentionBuffers::new(norms, seqs, attn_i, proj, q, core, s);
+                    attn.seqs.batch_context = batch_context;
                     let splits = AttentionSplits {
                         max: p(&sc.part_max),
                         sum: p(&sc.part_sum),
@@ -343,6 +359,7 @@ impl CudaBackend {
         tokens: usize,
     ) -> Result<()> {
         let c = &self.config;
+        let rows = tokens as i32;
         let tokens = tokens as u32;
         // SAFETY: q, proj and out hold a row per token, the split buffers tokens * heads *
         // dims.splits entries (of head_dim floats for `out`).
@@ -353,23 +370,43 @@ impl CudaBackend {
                 (ATTENTION_WARPS * 32) as u32,
                 attention_split_smem(c.head_dim),
             );
-            split.grid_dim.2 = tokens;
-            self.launch(
-                "attention_split",
-                &self.k.attention_split,
-                split,
-                &mut [
-                    arg(dims),
-                    arg(&b.q),
-                    arg(&b.k_cache),
-                    arg(&b.v_cache),
-                    arg(&b.position),
-                    arg(&parts.max),
-                    arg(&parts.sum),
-                    arg(&parts.out),
-                    arg(&b.seqs),
-                ],
-            )?;
+            // Tokens sharing the splits take them from one grid row of blocks.
+            if b.seqs.batch_context == NO_BATCH_CONTEXT {
+                split.grid_dim.2 = tokens;
+                self.launch(
+                    "attention_split",
+                    &self.k.attention_split,
+                    split,
+                    &mut [
+                        arg(dims),
+                        arg(&b.q),
+                        arg(&b.k_cache),
+                        arg(&b.v_cache),
+                        arg(&b.position),
+                        arg(&parts.max),
+                        arg(&parts.sum),
+                        arg(&parts.out),
+                        arg(&b.seqs),
+                    ],
+                )?;
+            } else {
+                self.launch(
+                    "attention_split",
+                    &self.k.attention_split_shared,
+                    split,
+                    &mut [
+                        arg(dims),
+                        arg(&b.q),
+                        arg(&b.k_cache),
+                        arg(&b.v_cache),
+                        arg(&parts.max),
+                        arg(&parts.sum),
+                        arg(&parts.out),
+                        arg(&b.seqs),
+                        arg(&rows),
+                    ],
+                )?;
+            }
             let mut combine = cfg(
                 c.num_attention_heads as u32,
                 c.head_dim.div_ceil(COMBINE_DIMS) as u32,
@@ -390,6 +427,7 @@ impl CudaBackend {
                     arg(&parts.out),
                     arg(&b.out),
                     arg(&b.seqs.position),
+                    arg(&b.seqs.batch_context),
                 ],
             )?;
         }
@@ -399,8 +437,10 @@ impl CudaBackend {
     /// Decode attention of one query token (`q`: heads x head_dim, unscaled) over a cache of
     /// bf16 `keys` and `values` ([positions, kv_heads, head_dim], the last position the token's
     /// own), gated by sigmoid(`gate`) (heads x head_dim), with the context split at most
-    /// `splits` ways: [heads, head_dim]. Uploads everything, so it serves checks of the decode
-    /// kernels at any context length and split count; decode runs them on the slot's buffers.
+    /// `splits` ways: [heads, head_dim]. With `batch_context`, the token's splits are its share
+    /// of them in a batch whose context lengths sum to that (see `step_shares_attention_splits`).
+    /// Uploads everything, so it serves checks of the decode kernels at any context length and
+    /// split count; decode runs them on the slot's buffers.
     pub fn attention_over_cache(
         &self,
         q: &[f32],
@@ -408,6 +448,7 @@ impl CudaBackend {
         values: &[u16],
         gate: &[f32],
         splits: usize,
+        batch_context: Option<usize>,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         let (heads, hd) = (c.num_attention_heads, c.head_dim);
@@ -428,6 +469,10 @@ impl CudaBackend {
             "splits must be 1 to {ATTENTION_SPLITS}"
         );
         let positions = keys.len() / row;
+        ensure!(
+            batch_context.is_none_or(|n| (positions..=i32::MAX as usize).contains(&n)),
+            "a batch's context holds at least the token's {positions} positions"
+        );
         let s = &self.stream;
         // proj holds, per head, the query then the gate; only the gates are read.
         let mut proj = vec![0.0f32; heads * 2 * hd];
@@ -444,6 +489,9 @@ impl CudaBackend {
             s.alloc_zeros::<f32>(heads * splits)?,
         );
         let part_out = s.alloc_zeros::<f32>(heads * splits * hd)?;
+        // A batch's tokens find their positions in its table (here a table of one).
+        let context = s.clone_htod(&[batch_context.unwrap_or(0) as i32])?;
+        let position_of = s.clone_htod(&[ptr(&position, s)])?;
         let dims = AttentionDims::new(c, positions, splits);
         let b = AttentionBuffers {
             proj: ptr(&proj, s),
@@ -454,7 +502,14 @@ impl CudaBackend {
             k_cache: ptr(&k_cache, s),
             v_cache: ptr(&v_cache, s),
             out: ptr(&out, s),
-            seqs: AttentionSeqs::default(),
+            seqs: match batch_context {
+                Some(_) => AttentionSeqs {
+                    position: ptr(&position_of, s),
+                    batch_context: ptr(&context, s),
+                    ..AttentionSeqs::default()
+                },
+                None => AttentionSeqs::default(),
+            },
         };
         let parts = AttentionSplits {
             max: ptr(&max, s),
@@ -463,6 +518,20 @@ impl CudaBackend {
         };
         self.attention_over_context(&dims, &b, &parts, 1)?;
         Ok(s.clone_dtoh(&out)?)
+    }
+
+    /// Whether a batched step of `rows` sequences shares attention's context splits among its
+    /// sequences in proportion to their lengths (about one wave of blocks in all) rather than
+    /// giving each sequence a wave's worth of its own: where its projections take the
+    /// tensor-core product, so that its results differ from each sequence's own step by
+    /// rounding anyway. Its own splits would run in waves of short blocks (at 32 sequences of 4K
+    /// context, 16 waves of blocks of 128 positions); shared ones let each block stream its part
+    /// of the cache, and a long context among short ones still gets most of the splits.
+    fn step_shares_attention_splits(&self, rows: usize) -> bool {
+        self.model.layers.iter().any(|l| match &l.mixer {
+            DeviceMixer::Attention { qkv, .. } => self.matvec_takes_mma(qkv, rows),
+            DeviceMixer::DeltaNet { .. } => false,
+        })
     }
 
     /// Whether a batched step of `rows` sequences sends its routed experts through prefill's

@@ -49,6 +49,9 @@ use crate::model::{Matrix, Model};
 const ONE_TOKEN: i32 = 1;
 /// A batch table argument of a launch for one sequence: none (see `seq_buffer` in common.cuh).
 const NO_TABLE: u64 = 0;
+/// The batch context argument of a step whose sequences take attention splits of their own
+/// (see `AttentionSeqs::batch_context`).
+const NO_BATCH_CONTEXT: u64 = 0;
 /// Threads of a mat-vec block (8 warps); also of the MoE blocks.
 const MATVEC_THREADS: u32 = 256;
 /// Resident `matvec` blocks per SM (its launch bounds allow three): one wave of persistent blocks.
@@ -101,10 +104,15 @@ struct DeltaNetDims {
     eps: f32,
 }
 
+/// State rows per thread of `deltanet_step` (MAX_ROWS_PER_THREAD) and most taps of its conv
+/// (MAX_CONV_KERNEL).
+const DELTANET_MAX_ROWS_PER_THREAD: usize = 16;
+const DELTANET_MAX_CONV_KERNEL: usize = 4;
+
 /// How `deltanet_step` spreads a head's [key_dim, value_dim] state: a cluster of `splits` blocks
 /// owning value_dim / splits columns each, `threads` threads per block that each own a slice of
-/// one column's rows (at most 16, the kernel's MAX_ROWS_PER_THREAD); conv kernels of at most 4
-/// taps (MAX_CONV_KERNEL); at most 4 blocks per head (MAX_SPLITS).
+/// one column's rows (at most DELTANET_MAX_ROWS_PER_THREAD); conv kernels of at most
+/// DELTANET_MAX_CONV_KERNEL taps; at most 4 blocks per head (MAX_SPLITS).
 struct DeltaNetShape {
     splits: usize,
     threads: usize,
@@ -121,8 +129,11 @@ impl DeltaNetShape {
         let rows = (kd * cols / 256).max(1);
         let threads = cols * kd / rows;
         // Each thread convolves at most two of the block's 2 * key_dim + cols channels.
-        let fits =
-            kd.is_multiple_of(rows) && rows <= 16 && threads <= 256 && 2 * kd + cols <= 2 * threads;
+        let fits = kd.is_multiple_of(rows)
+            && rows <= DELTANET_MAX_ROWS_PER_THREAD
+            && threads <= 256
+            && 2 * kd + cols <= 2 * threads
+            && (1..=DELTANET_MAX_CONV_KERNEL).contains(&c.linear_conv_kernel_dim);
         (fits && threads.is_multiple_of(32)).then_some(Self {
             splits,
             threads,
@@ -214,6 +225,9 @@ struct AttentionSeqs {
     position: u64,
     k_cache: u64,
     v_cache: u64,
+    /// Where the step's sequences share its context splits: the sum of their context lengths
+    /// (`Scratch::batch_context`); 0 where each takes its own.
+    batch_context: u64,
 }
 
 /// The buffers of one DeltaNet layer's launches (device addresses). A batched step's have no
@@ -315,6 +329,7 @@ impl AttentionBuffers {
                 position: position_of,
                 k_cache: k_of,
                 v_cache: v_of,
+                batch_context: 0,
             },
         }
     }
@@ -561,6 +576,7 @@ struct Kernels {
     deltanet_gated_norm: CudaFunction,
     attention_prepare: CudaFunction,
     attention_split: CudaFunction,
+    attention_split_shared: CudaFunction,
     attention_combine: CudaFunction,
     attention_prefill: CudaFunction,
     moe_router_shared: CudaFunction,
@@ -602,6 +618,9 @@ struct Scratch {
     arg_idx: CudaSlice<i32>,
     /// A batched step's chosen ids, a row each (the slots' token buffers hold them too).
     chosen: CudaSlice<i32>,
+    /// The sum of a batched step's context lengths, for attention splits shared in proportion
+    /// to them (see `step_shares_attention_splits`).
+    batch_context: CudaSlice<i32>,
 }
 
 impl Scratch {
@@ -626,6 +645,7 @@ impl Scratch {
             + self.ids.num_bytes()
             + self.arg_idx.num_bytes()
             + self.chosen.num_bytes()
+            + self.batch_context.num_bytes()
     }
 }
 
@@ -902,6 +922,7 @@ impl CudaBackend {
             deltanet_gated_norm: get("deltanet_gated_norm")?,
             attention_prepare: get("attention_prepare")?,
             attention_split: get("attention_split")?,
+            attention_split_shared: get("attention_split_shared")?,
             attention_combine: get("attention_combine")?,
             attention_prefill: get("attention_prefill")?,
             moe_router_shared: get("moe_router_shared")?,
@@ -944,6 +965,7 @@ impl CudaBackend {
             &k.gemm_q_grouped_wide,
             &k.attention_prefill,
             &k.attention_split,
+            &k.attention_split_shared,
             &k.deltanet_chunk_prepare,
             &k.deltanet_chunk_state,
             &k.deltanet_chunk_output,
@@ -985,9 +1007,11 @@ impl CudaBackend {
         );
         ensure!(
             DeltaNetShape::of(c).is_some(),
-            "DeltaNet head dims {}x{} unsupported by the CUDA kernels",
+            "DeltaNet head dims {}x{} with a conv of {} taps unsupported by the CUDA kernels \
+             (at most {DELTANET_MAX_CONV_KERNEL} taps)",
             c.linear_key_head_dim,
-            c.linear_value_head_dim
+            c.linear_value_head_dim,
+            c.linear_conv_kernel_dim
         );
         ensure!(
             c.num_attention_heads / c.num_key_value_heads <= 16,
@@ -1034,6 +1058,7 @@ impl CudaBackend {
             arg_val: z(ARGMAX_BLOCKS)?,
             arg_idx: stream.alloc_zeros::<i32>(ARGMAX_BLOCKS * rows)?,
             chosen: stream.alloc_zeros::<i32>(rows)?,
+            batch_context: stream.alloc_zeros::<i32>(1)?,
         };
         let batch = BatchSteps {
             tables: BatchTables::new(&stream, c, rows)?,
@@ -1322,7 +1347,7 @@ impl CudaBackend {
                 )
             };
         }
-        if tokens > 1 && mma_takes(w.bits, w.group, w.cols) {
+        if self.matvec_takes_mma(w, tokens) {
             let rows = MmaRows {
                 x,
                 x_stride: w.cols,
@@ -1414,6 +1439,14 @@ impl CudaBackend {
                 ],
             )
         }
+    }
+
+    /// Whether `matvec` multiplies `tokens` rows of inputs by `w` on tensor cores (`matvec_mma`,
+    /// inputs rounded to fp16) rather than by the integer dot of each sequence's own step.
+    fn matvec_takes_mma(&self, w: &DeviceWeight, tokens: usize) -> bool {
+        tokens > 1
+            && mma_takes(w.bits, w.group, w.cols)
+            && self.matvec_tokens_per_block(w, tokens).is_none()
     }
 
     /// Tokens per block of `matvec_tokens` for `tokens` rows of `w`'s inputs, or None where the
@@ -1984,6 +2017,7 @@ fn kernel_names(module: &str) -> &'static [&'static str] {
         "attention" => &[
             "attention_prepare",
             "attention_split",
+            "attention_split_shared",
             "attention_combine",
             "attention_prefill",
         ],

@@ -11,10 +11,13 @@ struct AttentionDims {
 };
 
 // The per-sequence buffers of a batched decode step (see seq_buffer): all null for one sequence.
+// batch_context: where the step's sequences share its context splits, the sum of their context
+// lengths (written by `embed`); null where each token takes d.splits of its own context.
 struct AttentionSeqs {
     const unsigned long long* position;
     const unsigned long long* k_cache;
     const unsigned long long* v_cache;
+    const int* batch_context;
 };
 
 // Floats of one token's projection: [heads * 2 * head_dim (per head: query, gate) |
@@ -151,6 +154,16 @@ __device__ __forceinline__ int attention_split_len(int len, int max_splits) {
     return (per + ROUND - 1) / ROUND * ROUND;
 }
 
+// Positions per split of a token's context of `len` positions: d.splits splits of it, or, where
+// the batch's sequences share the splits (batch_context not null), about its share of them in
+// proportion to its length (at least one; the splits of all the batch's tokens then fill about
+// one wave of blocks however their lengths differ). Either way at most max_splits splits.
+__device__ __forceinline__ int attention_token_split_len(int len, int max_splits, const int* batch_context) {
+    if (batch_context == nullptr) return attention_split_len(len, max_splits);
+    const int target = (*batch_context + max_splits - 1) / max_splits;
+    return attention_split_len(len, max(1, (len + target / 2) / target));
+}
+
 // Copies cache rows first .. first + DECODE_TILE - 1 of one KV head (`cache` points to the head's
 // first row, rows `row_stride` apart, hd values each) into a warp's shared tile (rows of
 // D + DECODE_ROW_PAD bf16): rows at positions in [lo, hi), and, with `zero_rest`, zeros for rows
@@ -169,18 +182,22 @@ __device__ __forceinline__ void decode_stage_rows(uint32_t tile, const bf16* cac
     }
 }
 
-// Block (KV head * head tiles + head tile, split, token), DECODE_WARPS warps: token blockIdx.z
-// of a run at consecutive positions attends to positions [0, position[0] + token] (batched: the
-// token of sequence blockIdx.z of the tables, to its positions [0, position]); the block
-// takes the split's positions for query heads tile * DECODE_HEADS .. + DECODE_HEADS - 1 of the
-// KV head's group. Writes per (head, split): the running max, sum and unnormalised output.
-// Splits past the context exit at once. D: head_dim rounded up to an instantiated width.
+// Split `split` of token `token` by block (KV head * head tiles + head tile, ...), DECODE_WARPS
+// warps: token `token` of a run at consecutive positions attends to positions
+// [0, position[0] + token] (batched: the token of sequence `token` of the tables, to its positions
+// [0, position]); the block takes the split's positions for query heads tile * DECODE_HEADS ..
+// + DECODE_HEADS - 1 of the KV head's group. Writes per (head, split): the running max, sum and
+// unnormalised output. Splits past the context return at once. D: head_dim rounded up to an
+// instantiated width; SHARED: the batch's tokens share the splits (attention_token_split_len).
+// The block's first split (`first_of_block`) requests the rows cached before this step before
+// waiting for the previous kernel; a later one's come after.
 // Dynamic shared memory: per warp a key and a value tile of DECODE_TILE rows of D + DECODE_ROW_PAD
 // bf16 (reused for the warps' merge: DECODE_WARPS * DECODE_HEADS * D floats).
-template <int D>
-__device__ void attention_split_impl(const AttentionDims& d, const float* q, const bf16* k_cache, const bf16* v_cache,
-                                     const int* position, float* part_max, float* part_sum, float* part_out,
-                                     const AttentionSeqs& seqs) {
+template <int D, bool SHARED>
+__device__ __forceinline__ void attention_split_impl(const AttentionDims& d, const float* q, const bf16* k_cache,
+                                                     const bf16* v_cache, const int* position, float* part_max,
+                                                     float* part_sum, float* part_out, const AttentionSeqs& seqs,
+                                                     int token, int split, bool first_of_block) {
     static_assert(D % 16 == 0, "16-wide slices of a head");
     constexpr int STRIDE = D + DECODE_ROW_PAD;                 // bf16 per shared row
     constexpr uint32_t TILE_BYTES = DECODE_TILE * STRIDE * 2;  // one key or value tile
@@ -190,7 +207,6 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     __shared__ float merge_max[DECODE_WARPS][DECODE_HEADS], merge_sum[DECODE_WARPS][DECODE_HEADS];
     const int group = div_fast(d.heads, d.kv_heads), head_tiles = (group + DECODE_HEADS - 1) / DECODE_HEADS;
     const int kvh = div_fast(blockIdx.x, head_tiles), tile_head = mod_fast(blockIdx.x, head_tiles) * DECODE_HEADS;
-    const int split = blockIdx.y, token = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int hd = d.head_dim;
     // The position was set by an earlier step, the cache below it by earlier launches: this
@@ -204,7 +220,8 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     part_max += (size_t)token * d.heads * d.splits;
     part_sum += (size_t)token * d.heads * d.splits;
     part_out += (size_t)token * d.heads * d.splits * hd;
-    const int per = attention_split_len(len, d.splits);
+    const int per = SHARED ? attention_token_split_len(len, d.splits, seqs.batch_context)
+                           : attention_split_len(len, d.splits);
     const int begin = split * per;
     if (begin >= len) return;
     const int end = min(len, begin + per);
@@ -213,14 +230,17 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     const bf16* v_head = v_cache + (size_t)kvh * hd;
     const uint32_t k_tile = shared_address(kv_tiles) + warp * 2 * TILE_BYTES, v_tile = k_tile + TILE_BYTES;
     int first = begin + DECODE_TILE * warp;
+    const int staged = first_of_block ? cached : len;
     if (first < end) {
-        decode_stage_rows<D>(k_tile, k_head, row_stride, hd, first, 0, cached, end, true, lane);
-        decode_stage_rows<D>(v_tile, v_head, row_stride, hd, first, 0, cached, end, true, lane);
+        decode_stage_rows<D>(k_tile, k_head, row_stride, hd, first, 0, staged, end, true, lane);
+        decode_stage_rows<D>(v_tile, v_head, row_stride, hd, first, 0, staged, end, true, lane);
     }
-    wait_for_previous_kernel();
-    if (first < end) {
-        decode_stage_rows<D>(k_tile, k_head, row_stride, hd, first, cached, len, end, false, lane);
-        decode_stage_rows<D>(v_tile, v_head, row_stride, hd, first, cached, len, end, false, lane);
+    if (first_of_block) {
+        wait_for_previous_kernel();
+        if (first < end) {
+            decode_stage_rows<D>(k_tile, k_head, row_stride, hd, first, cached, len, end, false, lane);
+            decode_stage_rows<D>(v_tile, v_head, row_stride, hd, first, cached, len, end, false, lane);
+        }
     }
     cp_async_commit();
 
@@ -359,6 +379,65 @@ __device__ void attention_split_impl(const AttentionDims& d, const float* q, con
     }
 }
 
+// Item `item` of a batch whose tokens share the splits (batch_context not null): the items are
+// the tokens' splits in order (token 0's, then token 1's, ...). Returns (token, split), or token
+// -1 past the last item. Every warp computes it for itself (each lane a token at a time).
+__device__ __forceinline__ int2 attention_shared_item(const AttentionDims& d, const AttentionSeqs& seqs, int rows,
+                                                      int item) {
+    const int lane = threadIdx.x & 31;
+    int before = 0;  // the items of the tokens before this round's
+    for (int base = 0; base < rows; base += 32) {
+        const int r = base + lane;
+        int n = 0;
+        if (r < rows) {
+            const int len = row_position(nullptr, seqs.position, r) + 1;
+            const int per = attention_token_split_len(len, d.splits, seqs.batch_context);
+            n = (len + per - 1) / per;
+        }
+        int upto = n;  // inclusive prefix over the round's lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, upto, o);
+            if (lane >= o) upto += v;
+        }
+        const int start = before + upto - n;
+        const unsigned hit = __ballot_sync(0xffffffffu, item >= start && item < start + n);
+        if (hit != 0) {
+            const int src = __ffs(hit) - 1;
+            return make_int2(base + src, item - __shfl_sync(0xffffffffu, start, src));
+        }
+        before += __shfl_sync(0xffffffffu, upto, 31);
+    }
+    return make_int2(-1, 0);
+}
+
+// Each token with splits of its own: block (head tile, split, token).
+template <int D>
+__device__ void attention_split_own(const AttentionDims& d, const float* q, const bf16* k_cache, const bf16* v_cache,
+                                    const int* position, float* part_max, float* part_sum, float* part_out,
+                                    const AttentionSeqs& seqs) {
+    attention_split_impl<D, false>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs, blockIdx.z,
+                                   blockIdx.y, true);
+}
+
+// The `rows` tokens of a batch sharing the splits (AttentionSeqs::batch_context): block
+// (head tile, y) with y < d.splits takes items y, y + d.splits, ... of attention_shared_item, so
+// that however the tokens' lengths differ the blocks take about as many positions each, in one
+// wave.
+template <int D>
+__device__ void attention_split_items(const AttentionDims& d, const float* q, const bf16* k_cache,
+                                      const bf16* v_cache, float* part_max, float* part_sum, float* part_out,
+                                      const AttentionSeqs& seqs, int rows) {
+    for (int item = blockIdx.y; ; item += gridDim.y) {
+        const int2 at = attention_shared_item(d, seqs, rows, item);
+        if (at.x < 0) return;
+        // The previous item's merge read the tiles this one stages into.
+        if (item != blockIdx.y) __syncthreads();
+        attention_split_impl<D, true>(d, q, k_cache, v_cache, nullptr, part_max, part_sum, part_out, seqs, at.x,
+                                      at.y, item == blockIdx.y);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split(AttentionDims d, const float* q,
                                                                              const bf16* k_cache,
                                                                              const bf16* v_cache,
@@ -367,67 +446,33 @@ extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split(
                                                                              AttentionSeqs seqs) {
     TRACE_BLOCK();
     // head_dim: a multiple of 16 (whole slices), at most 256; the backend takes multiples of 32.
-    if (d.head_dim <= 32) attention_split_impl<32>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
-    else if (d.head_dim <= 64) attention_split_impl<64>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
-    else if (d.head_dim <= 128) attention_split_impl<128>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
-    else attention_split_impl<256>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
+    if (d.head_dim <= 32)
+        attention_split_own<32>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
+    else if (d.head_dim <= 64)
+        attention_split_own<64>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
+    else if (d.head_dim <= 128)
+        attention_split_own<128>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
+    else attention_split_own<256>(d, q, k_cache, v_cache, position, part_max, part_sum, part_out, seqs);
 }
 
-#define COMBINE_DIMS 64     // head dims per combine block
-#define COMBINE_PARTS 4     // thread groups splitting the splits
-#define COMBINE_MAX_SPLITS 1024
-
-// Merges the splits of each head and applies the output gate sigmoid(gate), for token
-// t = blockIdx.z at position position[0] + t (batched: at its sequence's position). Launch:
-// (heads, ceil(head_dim / COMBINE_DIMS), tokens) blocks of COMBINE_DIMS * COMBINE_PARTS threads:
-// thread (part, dim) sums the splits s = part (mod COMBINE_PARTS) of its dim, then the parts add
-// up in shared memory.
-extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) attention_combine(
-    AttentionDims d, const float* proj, const int* position, const float* part_max, const float* part_sum,
-    const float* part_out, float* out, const unsigned long long* position_of) {
+// attention_split for a batch whose `rows` tokens share the splits: one grid row of d.splits
+// blocks per head tile.
+extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split_shared(AttentionDims d,
+                                                                                    const float* q,
+                                                                                    const bf16* k_cache,
+                                                                                    const bf16* v_cache,
+                                                                                    float* part_max,
+                                                                                    float* part_sum,
+                                                                                    float* part_out,
+                                                                                    AttentionSeqs seqs, int rows) {
     TRACE_BLOCK();
-    wait_for_previous_kernel();
-    __shared__ float scratch[32];
-    __shared__ float split_weight[COMBINE_MAX_SPLITS];
-    __shared__ float partial[COMBINE_PARTS][COMBINE_DIMS];
-    const int head = blockIdx.x, hd = d.head_dim, t = blockIdx.z;
-    const int dim_in = threadIdx.x % COMBINE_DIMS, part = threadIdx.x / COMBINE_DIMS;
-    const int dim = blockIdx.y * COMBINE_DIMS + dim_in;
-    const int len = row_position(position, position_of, t) + 1;
-    const int per = attention_split_len(len, d.splits);
-    const int splits = div_fast(len + per - 1, per);
-    proj += (size_t)t * attention_proj_width(d);
-    out += (size_t)t * d.heads * hd;
-    part_max += (size_t)t * d.heads * d.splits;
-    part_sum += (size_t)t * d.heads * d.splits;
-    part_out += (size_t)t * d.heads * d.splits * hd;
-    const float* pm = part_max + (size_t)head * d.splits;
-    const float* ps = part_sum + (size_t)head * d.splits;
-    float m = -INFINITY;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) m = fmaxf(m, pm[s]);
-    m = block_max(m, scratch);
-    float l = 0.0f;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-        const float w = __expf(pm[s] - m);
-        split_weight[s] = w;
-        l += w * ps[s];
-    }
-    l = block_sum(l, scratch);
-    float acc = 0.0f;
-    if (dim < hd) {
-        const float* po = part_out + (size_t)head * d.splits * hd + dim;
-        // 8 loads in flight per thread: the splits' partial outputs come from L2 a batch per
-        // round trip.
-#pragma unroll 8
-        for (int s = part; s < splits; s += COMBINE_PARTS) acc += split_weight[s] * po[(size_t)s * hd];
-    }
-    partial[part][dim_in] = acc;
-    __syncthreads();
-    if (part == 0 && dim < hd) {
-        for (int p = 1; p < COMBINE_PARTS; ++p) acc += partial[p][dim_in];
-        const float gate = proj[(size_t)head * 2 * hd + hd + dim];
-        out[(size_t)head * hd + dim] = acc / l * sigmoid(gate);
-    }
+    if (d.head_dim <= 32)
+        attention_split_items<32>(d, q, k_cache, v_cache, part_max, part_sum, part_out, seqs, rows);
+    else if (d.head_dim <= 64)
+        attention_split_items<64>(d, q, k_cache, v_cache, part_max, part_sum, part_out, seqs, rows);
+    else if (d.head_dim <= 128)
+        attention_split_items<128>(d, q, k_cache, v_cache, part_max, part_sum, part_out, seqs, rows);
+    else attention_split_items<256>(d, q, k_cache, v_cache, part_max, part_sum, part_out, seqs, rows);
 }
 
 // ---------------------------------------------------------------------------------------------

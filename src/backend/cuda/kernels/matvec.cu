@@ -61,11 +61,20 @@ extern "C" __global__ void __launch_bounds__(256, MATVEC_TOKENS_BLOCKS) matvec_t
 }
 
 // x[t] = row `token[t]` of the embedding table, dequantised to f32; blockIdx.y is t. Batched
-// (token_of non-null): row t is the token of sequence t of the table.
+// (token_of non-null): row t is the token of sequence t of the table. With batch_context, also
+// the sum of the step's context lengths (each row's sequence's position + 1, from position_of),
+// for attention's shared splits (see AttentionSeqs in attention.cu).
 extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* token, float* x,
-                                                      const unsigned long long* token_of) {
+                                                      const unsigned long long* token_of,
+                                                      const unsigned long long* position_of, int* batch_context) {
     TRACE_BLOCK();
     wait_for_previous_kernel();
+    if (batch_context != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 32) {
+        int total = 0;
+        for (int r = threadIdx.x; r < gridDim.y; r += 32) total += row_position(nullptr, position_of, r) + 1;
+        for (int mask = 16; mask > 0; mask >>= 1) total += __shfl_xor_sync(0xffffffffu, total, mask);
+        if (threadIdx.x == 0) *batch_context = total;
+    }
     const int row = *seq_buffer(token + blockIdx.y, token_of, blockIdx.y);
     const int cols = w.cols;
     x += (size_t)blockIdx.y * cols;

@@ -22,7 +22,8 @@ use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
     AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
-    DeltaNetShape, NO_TABLE, StepSeqs, arg, attention_tile_row, cfg, moe_slot_width,
+    DeltaNetShape, NO_BATCH_CONTEXT, NO_TABLE, StepSeqs, arg, attention_tile_row, cfg,
+    moe_slot_width,
 };
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
@@ -298,7 +299,14 @@ impl CudaBackend {
                 "embed",
                 &self.k.embed,
                 cfg(c.hidden_size.div_ceil(256) as u32, n as u32, 256, 0),
-                &mut [arg(&embed), arg(&token_ids), arg(&x), arg(&NO_TABLE)],
+                &mut [
+                    arg(&embed),
+                    arg(&token_ids),
+                    arg(&x),
+                    arg(&NO_TABLE),
+                    arg(&NO_TABLE),
+                    arg(&NO_BATCH_CONTEXT),
+                ],
             )
         }?;
         self.mark(PrefillPart::Projections)?;
