@@ -10,7 +10,7 @@ use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use rayon::prelude::*;
 
@@ -32,6 +32,67 @@ pub const MODULES: &[(&str, &str)] = &[
     ("fill", include_str!("kernels/fill.cu")),
     ("gemm", include_str!("kernels/gemm.cu")),
 ];
+
+/// The `extern "C"` kernels of each module that the backend loads.
+pub fn kernel_names(module: &str) -> &'static [&'static str] {
+    match module {
+        "matvec" => &[
+            "matvec",
+            "matvec_two_rows",
+            "matvec_tokens",
+            "matvec_two_rows_tokens",
+            "matvec_mma",
+            "matvec_mma_16",
+            "matvec_mma_32",
+            "embed",
+        ],
+        "deltanet" => &[
+            "deltanet_step",
+            "deltanet_step_batched",
+            "deltanet_conv_ring",
+            "deltanet_conv_chunk",
+            "deltanet_norm_chunk",
+            "deltanet_scan",
+            "deltanet_chunk_prepare",
+            "deltanet_chunk_state",
+            "deltanet_chunk_output",
+            "deltanet_gated_norm",
+        ],
+        "attention" => &[
+            "attention_prepare",
+            "attention_split",
+            "attention_split_shared",
+            "attention_combine",
+            "attention_prefill",
+        ],
+        "moe" => &[
+            "moe_router_shared",
+            "moe_gate_up",
+            "moe_down",
+            "moe_down_batched",
+            "moe_gate_up_tokens",
+            "moe_route",
+            "moe_group",
+        ],
+        "sample" => &[
+            "argmax_partial",
+            "argmax_final",
+            "sample_token",
+            "advance_position",
+        ],
+        "fill" => &["fill_bf16", "fill_u32"],
+        "gemm" => &[
+            "rows_to_half",
+            "gemm_q",
+            "gemm_q_grouped",
+            "gemm_q_grouped_wide",
+            "swiglu_to_half",
+            "add_expert_rows",
+            "wgmma_peak",
+        ],
+        _ => &[],
+    }
+}
 
 /// Where the CUDA headers NVRTC needs are found.
 pub fn include_dir() -> PathBuf {
@@ -73,6 +134,15 @@ fn full_source(src: &str) -> String {
     s.push('\n');
     s.push_str(src);
     s
+}
+
+/// The kernels of module `name` the backend loads that its compiled `ptx` does not define.
+fn missing_kernels(name: &str, ptx: &str) -> Vec<&'static str> {
+    kernel_names(name)
+        .iter()
+        .copied()
+        .filter(|k| !ptx.contains(&format!(".entry {k}(")))
+        .collect()
 }
 
 /// Compiles one module (or takes it from the cache), with `defines` (`NAME=VALUE`) set.
@@ -165,8 +235,17 @@ pub fn check_all() -> Result<()> {
         })
         .collect();
     for ((_, variant, (name, _)), (result, took)) in jobs.iter().zip(results) {
+        let result = result.and_then(|ptx| {
+            let missing = missing_kernels(name, &ptx.to_src());
+            ensure!(
+                missing.is_empty(),
+                "kernels the backend loads are not defined: {}",
+                missing.join(", ")
+            );
+            Ok(())
+        });
         match result {
-            Ok(_) => println!("ok     {name}{variant} ({:.2} s)", took.as_secs_f64()),
+            Ok(()) => println!("ok     {name}{variant} ({:.2} s)", took.as_secs_f64()),
             Err(e) => {
                 println!("FAILED {name}{variant}\n{e:#}");
                 failed.push(format!("{name}{variant}"));
@@ -211,6 +290,18 @@ pub fn recompile(name: &str, defines: &[String]) -> Result<Ptx> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernels_the_backend_loads_must_be_in_the_module() {
+        let ptx = ".visible .entry attention_prepare(\n.visible .entry attention_split(\n\
+                   .visible .entry attention_split_shared(\n.visible .entry attention_prefill(";
+        assert_eq!(missing_kernels("attention", ptx), vec!["attention_combine"]);
+        assert!(missing_kernels("fill", ".entry fill_bf16(\n.entry fill_u32(").is_empty());
+        assert_eq!(
+            missing_kernels("fill", ".entry fill_bf16_x("),
+            vec!["fill_bf16", "fill_u32"]
+        );
+    }
 
     #[test]
     fn cache_entries_are_replaced_whole_and_leave_no_temporary_file() {

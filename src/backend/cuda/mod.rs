@@ -889,7 +889,7 @@ impl CudaBackend {
                     .load_module(kernels::recompile(name, &defines)?)
                     .with_context(|| format!("loading kernel module `{name}`"))?,
             };
-            for f in kernel_names(name) {
+            for f in kernels::kernel_names(name) {
                 functions.insert(*f, module.load_function(f)?);
             }
         }
@@ -1987,67 +1987,6 @@ fn staged_bytes(widths: &[usize]) -> u32 {
         .map(|&c| c + (c / 8 + 4).next_multiple_of(4))
         .sum();
     ((64 + floats) * 4) as u32
-}
-
-/// The `extern "C"` kernels each module defines.
-fn kernel_names(module: &str) -> &'static [&'static str] {
-    match module {
-        "matvec" => &[
-            "matvec",
-            "matvec_two_rows",
-            "matvec_tokens",
-            "matvec_two_rows_tokens",
-            "matvec_mma",
-            "matvec_mma_16",
-            "matvec_mma_32",
-            "embed",
-        ],
-        "deltanet" => &[
-            "deltanet_step",
-            "deltanet_step_batched",
-            "deltanet_conv_ring",
-            "deltanet_conv_chunk",
-            "deltanet_norm_chunk",
-            "deltanet_scan",
-            "deltanet_chunk_prepare",
-            "deltanet_chunk_state",
-            "deltanet_chunk_output",
-            "deltanet_gated_norm",
-        ],
-        "attention" => &[
-            "attention_prepare",
-            "attention_split",
-            "attention_split_shared",
-            "attention_combine",
-            "attention_prefill",
-        ],
-        "moe" => &[
-            "moe_router_shared",
-            "moe_gate_up",
-            "moe_down",
-            "moe_down_batched",
-            "moe_gate_up_tokens",
-            "moe_route",
-            "moe_group",
-        ],
-        "sample" => &[
-            "argmax_partial",
-            "argmax_final",
-            "sample_token",
-            "advance_position",
-        ],
-        "fill" => &["fill_bf16", "fill_u32"],
-        "gemm" => &[
-            "rows_to_half",
-            "gemm_q",
-            "gemm_q_grouped",
-            "gemm_q_grouped_wide",
-            "swiglu_to_half",
-            "add_expert_rows",
-            "wgmma_peak",
-        ],
-        _ => &[],
-    }
 }
 
 #[cfg(test)]

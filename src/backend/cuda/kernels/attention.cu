@@ -475,6 +475,64 @@ extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split_
     else attention_split_items<256>(d, q, k_cache, v_cache, part_max, part_sum, part_out, seqs, rows);
 }
 
+#define COMBINE_DIMS 64     // head dims per combine block
+#define COMBINE_PARTS 4     // thread groups splitting the splits
+#define COMBINE_MAX_SPLITS 1024
+
+// Merges the splits of each head and applies the output gate sigmoid(gate), for token
+// t = blockIdx.z at position position[0] + t (batched: at its sequence's position; the splits as
+// attention_split took them, see AttentionSeqs::batch_context). Launch:
+// (heads, ceil(head_dim / COMBINE_DIMS), tokens) blocks of COMBINE_DIMS * COMBINE_PARTS threads:
+// thread (part, dim) sums the splits s = part (mod COMBINE_PARTS) of its dim, then the parts add
+// up in shared memory.
+extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) attention_combine(
+    AttentionDims d, const float* proj, const int* position, const float* part_max, const float* part_sum,
+    const float* part_out, float* out, const unsigned long long* position_of, const int* batch_context) {
+    TRACE_BLOCK();
+    wait_for_previous_kernel();
+    __shared__ float scratch[32];
+    __shared__ float split_weight[COMBINE_MAX_SPLITS];
+    __shared__ float partial[COMBINE_PARTS][COMBINE_DIMS];
+    const int head = blockIdx.x, hd = d.head_dim, t = blockIdx.z;
+    const int dim_in = threadIdx.x % COMBINE_DIMS, part = threadIdx.x / COMBINE_DIMS;
+    const int dim = blockIdx.y * COMBINE_DIMS + dim_in;
+    const int len = row_position(position, position_of, t) + 1;
+    const int per = attention_token_split_len(len, d.splits, batch_context);
+    const int splits = div_fast(len + per - 1, per);
+    proj += (size_t)t * attention_proj_width(d);
+    out += (size_t)t * d.heads * hd;
+    part_max += (size_t)t * d.heads * d.splits;
+    part_sum += (size_t)t * d.heads * d.splits;
+    part_out += (size_t)t * d.heads * d.splits * hd;
+    const float* pm = part_max + (size_t)head * d.splits;
+    const float* ps = part_sum + (size_t)head * d.splits;
+    float m = -INFINITY;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) m = fmaxf(m, pm[s]);
+    m = block_max(m, scratch);
+    float l = 0.0f;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float w = __expf(pm[s] - m);
+        split_weight[s] = w;
+        l += w * ps[s];
+    }
+    l = block_sum(l, scratch);
+    float acc = 0.0f;
+    if (dim < hd) {
+        const float* po = part_out + (size_t)head * d.splits * hd + dim;
+        // 8 loads in flight per thread: the splits' partial outputs come from L2 a batch per
+        // round trip.
+#pragma unroll 8
+        for (int s = part; s < splits; s += COMBINE_PARTS) acc += split_weight[s] * po[(size_t)s * hd];
+    }
+    partial[part][dim_in] = acc;
+    __syncthreads();
+    if (part == 0 && dim < hd) {
+        for (int p = 1; p < COMBINE_PARTS; ++p) acc += partial[p][dim_in];
+        const float gate = proj[(size_t)head * 2 * hd + hd + dim];
+        out[(size_t)head * hd + dim] = acc / l * sigmoid(gate);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefill: causal flash attention on tensor cores.
 //
