@@ -2090,6 +2090,16 @@ mod tests {
         assert!(DeltaNetShape::of(&with_linear_dims(256, 128)).is_none());
         // 3 columns cannot make whole warps.
         assert!(DeltaNetShape::of(&with_linear_dims(4, 3)).is_none());
+        // The conv keeps at most MAX_CONV_KERNEL taps (and its history) in registers.
+        let mut c = with_linear_dims(128, 128);
+        for taps in [1, DELTANET_MAX_CONV_KERNEL] {
+            c.linear_conv_kernel_dim = taps;
+            assert!(DeltaNetShape::of(&c).is_some(), "{taps} taps");
+        }
+        for taps in [0, DELTANET_MAX_CONV_KERNEL + 1] {
+            c.linear_conv_kernel_dim = taps;
+            assert!(DeltaNetShape::of(&c).is_none(), "{taps} taps");
+        }
     }
 
     #[test]
