@@ -677,6 +677,7 @@ impl CudaBackend {
                 x,
                 true,
                 tokens,
+                self.scratch.mma_staging(s),
             );
         }
         let tokens32 = tokens as i32;

@@ -5,7 +5,7 @@
 use anyhow::{Result, ensure};
 
 use super::weights::{DeviceWeight, ptr};
-use super::{CudaBackend, arg, cfg};
+use super::{CudaBackend, MmaRows, arg, cfg};
 use crate::model::{Matrix, Storage};
 
 /// Weight rows one block covers, tokens per block of a dense and of a grouped product (narrow
@@ -102,21 +102,52 @@ impl CudaBackend {
         x16: u64,
         xscale: u64,
     ) -> Result<()> {
-        let (cols, norm, eps) = (cols as i32, norm.unwrap_or(0), self.config.rms_norm_eps);
-        let bits = bits as i32;
-        // SAFETY: x holds n rows of cols floats, x16 n rows of cols halves, xscale n floats.
+        let rows = MmaRows {
+            x,
+            x_stride: cols,
+            norm: norm.unwrap_or(0),
+            weight: None,
+        };
+        self.stage_half(&rows, cols, bits, n, n, x16, cols, xscale)
+    }
+
+    /// `rows_to_half` for the `tokens` rows of `rows` (x at any stride; each token's output
+    /// weight, if any, folded into its xscale), into rows of x16 `stride` halves apart, rows
+    /// `tokens` to `padded` zeros (a product's tiles padded to whole blocks of tokens).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn stage_half(
+        &self,
+        rows: &MmaRows,
+        cols: usize,
+        bits: usize,
+        tokens: usize,
+        padded: usize,
+        x16: u64,
+        stride: usize,
+        xscale: u64,
+    ) -> Result<()> {
+        let (x_stride, norm, eps) = (rows.x_stride as i32, rows.norm, self.config.rms_norm_eps);
+        let (weight, weight_stride) = rows.weight.map_or((0, 0), |(p, s)| (p, s as i32));
+        let (cols, bits, tokens, stride) = (cols as i32, bits as i32, tokens as i32, stride as i32);
+        // SAFETY: x holds `tokens` rows of cols floats x_stride apart (the row weights, if any,
+        // `tokens` entries), x16 `padded` rows of `stride` >= cols halves, xscale `padded` floats.
         unsafe {
             self.launch(
                 "rows_to_half",
                 &self.k.rows_to_half,
-                cfg(n as u32, 1, 256, 0),
+                cfg(padded as u32, 1, 256, 0),
                 &mut [
-                    arg(&x),
+                    arg(&rows.x),
                     arg(&cols),
+                    arg(&x_stride),
                     arg(&norm),
                     arg(&eps),
                     arg(&bits),
+                    arg(&weight),
+                    arg(&weight_stride),
+                    arg(&tokens),
                     arg(&x16),
+                    arg(&stride),
                     arg(&xscale),
                 ],
             )

@@ -621,6 +621,9 @@ struct Scratch {
     /// The sum of a batched step's context lengths, for attention splits shared in proportion
     /// to them (see `step_shares_attention_splits`).
     batch_context: CudaSlice<i32>,
+    /// A batched step's inputs to `matvec_mma`, staged in fp16 (see `MmaStaging`).
+    mma_x16: CudaSlice<u16>,
+    mma_xscale: CudaSlice<f32>,
 }
 
 impl Scratch {
@@ -646,6 +649,12 @@ impl Scratch {
             + self.arg_idx.num_bytes()
             + self.chosen.num_bytes()
             + self.batch_context.num_bytes()
+            + self.mma_x16.num_bytes()
+            + self.mma_xscale.num_bytes()
+    }
+
+    fn mma_staging(&self, s: &CudaStream) -> MmaStaging {
+        MmaStaging::of(&self.mma_x16, &self.mma_xscale, s)
     }
 }
 
@@ -1059,6 +1068,8 @@ impl CudaBackend {
             arg_idx: stream.alloc_zeros::<i32>(ARGMAX_BLOCKS * rows)?,
             chosen: stream.alloc_zeros::<i32>(rows)?,
             batch_context: stream.alloc_zeros::<i32>(1)?,
+            mma_x16: stream.alloc_zeros::<u16>(MmaStaging::halves(rows, widest.max(inter)))?,
+            mma_xscale: stream.alloc_zeros::<f32>(MmaStaging::rows(rows))?,
         };
         let batch = BatchSteps {
             tables: BatchTables::new(&stream, c, rows)?,
@@ -1280,8 +1291,9 @@ impl CudaBackend {
     /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y;
     /// added to y when `accumulate`. One token, or weights `matvec_mma` does not take: the
     /// integer-dot mat-vec, a grid row per token; several: `matvec_mma` on tensor cores, each
-    /// weight row read once per MMA_TOKENS tokens. At most one wave of persistent blocks.
-    /// `role` names the launch (the weight's part in the model) in errors and the critical path.
+    /// weight row read once per MMA_TOKENS tokens, its inputs staged in the decode scratch.
+    /// At most one wave of persistent blocks. `role` names the launch (the weight's part in the
+    /// model) in errors and the critical path.
     #[allow(clippy::too_many_arguments)]
     fn matvec(
         &self,
@@ -1292,6 +1304,24 @@ impl CudaBackend {
         y: u64,
         accumulate: bool,
         tokens: usize,
+    ) -> Result<()> {
+        let staging = self.scratch.mma_staging(&self.stream);
+        self.matvec_staged(role, w, x, norm, y, accumulate, tokens, staging)
+    }
+
+    /// `matvec` with `matvec_mma`'s inputs staged in `staging` (prefill's own scratch: a prefill
+    /// may be issued while another thread's batched decode step is queued on the stream).
+    #[allow(clippy::too_many_arguments)]
+    fn matvec_staged(
+        &self,
+        role: &'static str,
+        w: &DeviceWeight,
+        x: u64,
+        norm: Option<u64>,
+        y: u64,
+        accumulate: bool,
+        tokens: usize,
+        staging: MmaStaging,
     ) -> Result<()> {
         let s = &self.stream;
         let desc = w.desc(s);
@@ -1354,7 +1384,7 @@ impl CudaBackend {
                 norm,
                 weight: None,
             };
-            return self.matvec_mma(role, w, rows, y, accumulate, tokens);
+            return self.matvec_mma(role, w, rows, y, accumulate, tokens, staging);
         }
         let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
         let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
@@ -1384,8 +1414,10 @@ impl CudaBackend {
     }
 
     /// y[t] (+)= W · rows' x[t] on tensor cores (`matvec_mma`, blocks of up to 32 tokens, each
-    /// weight row read once per block) for `tokens` rows; `w` of a layout `mma_takes`.
-    fn matvec_mma(
+    /// weight row read once per block) for `tokens` rows; `w` of a layout `mma_takes`. The
+    /// inputs are first staged in fp16 in `staging` (`stage_half`), once for every block.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matvec_mma(
         &self,
         role: &'static str,
         w: &DeviceWeight,
@@ -1393,12 +1425,31 @@ impl CudaBackend {
         y: u64,
         accumulate: bool,
         tokens: usize,
+        staging: MmaStaging,
     ) -> Result<()> {
         let s = &self.stream;
         let desc = w.desc(s);
-        let eps = self.config.rms_norm_eps;
         let warps = MATVEC_THREADS as usize / 32;
         let block_tiles = mma_block_tiles(tokens, w.cols);
+        // Each block copies its tokens' rows as they lie in memory: whole blocks of tokens,
+        // rows of cols + 4 halves (see mma_smem).
+        let padded = tokens.next_multiple_of(MMA_TOKENS * block_tiles);
+        let stride = w.cols + 4;
+        ensure!(
+            padded <= staging.rows && padded * stride <= staging.halves,
+            "{role}: {tokens} rows of {} inputs exceed the staging of the tensor-core product",
+            w.cols
+        );
+        self.stage_half(
+            &rows,
+            w.cols,
+            w.bits,
+            tokens,
+            padded,
+            staging.x16,
+            stride,
+            staging.xscale,
+        )?;
         let kernel = &self.k.matvec_mma[block_tiles.trailing_zeros() as usize];
         let smem = mma_smem(w.cols, block_tiles);
         // One wave of persistent blocks: as many as fit on an SM beside each other.
@@ -1409,11 +1460,9 @@ impl CudaBackend {
         let (tiles, ksplit) = mma_split(w.rows, w.cols, w.bits, resident * warps);
         let blocks = tiles.div_ceil(warps / ksplit).min(resident);
         let (acc, tokens32, ksplit32) = (accumulate as i32, tokens as i32, ksplit as i32);
-        let (x_stride, norm) = (rows.x_stride as i32, rows.norm);
-        let (weight, weight_stride) = rows.weight.map_or((0, 0), |(p, s)| (p, s as i32));
-        // SAFETY: x holds `tokens` rows of w.cols floats x_stride apart, y `tokens` rows of
-        // w.rows, the row weights (if any) `tokens` entries; the weights are of a layout
-        // matvec_mma takes (mma_takes), its staging in mma_smem bytes.
+        // SAFETY: staging holds `padded` rows of `stride` halves and their scales (checked
+        // above), y `tokens` rows of w.rows; the weights are of a layout matvec_mma takes
+        // (mma_takes), its staging in mma_smem bytes.
         unsafe {
             self.launch(
                 role,
@@ -1426,12 +1475,8 @@ impl CudaBackend {
                 ),
                 &mut [
                     arg(&desc),
-                    arg(&rows.x),
-                    arg(&x_stride),
-                    arg(&norm),
-                    arg(&eps),
-                    arg(&weight),
-                    arg(&weight_stride),
+                    arg(&staging.x16),
+                    arg(&staging.xscale),
                     arg(&y),
                     arg(&acc),
                     arg(&tokens32),
@@ -1929,6 +1974,39 @@ pub(super) struct MmaRows {
     pub(super) weight: Option<(u64, usize)>,
 }
 
+/// Where `matvec_mma`'s inputs are staged in fp16 before the product: `halves` halves for rows
+/// of inputs (cols + 4 halves each, the product's shared-memory layout, so that each block
+/// copies its rows as they lie), `rows` scales.
+#[derive(Clone, Copy)]
+pub(super) struct MmaStaging {
+    x16: u64,
+    xscale: u64,
+    halves: usize,
+    rows: usize,
+}
+
+impl MmaStaging {
+    pub(super) fn of(x16: &CudaSlice<u16>, xscale: &CudaSlice<f32>, s: &CudaStream) -> Self {
+        Self {
+            x16: ptr(x16, s),
+            xscale: ptr(xscale, s),
+            halves: x16.len(),
+            rows: xscale.len(),
+        }
+    }
+
+    /// Rows to allocate for products of up to `tokens` tokens (padded to whole blocks of
+    /// MMA_TOKENS * MMA_MOST_TILES at most).
+    pub(super) fn rows(tokens: usize) -> usize {
+        tokens.next_multiple_of(MMA_TOKENS * MMA_MOST_TILES)
+    }
+
+    /// Halves to allocate for products of up to `tokens` tokens of up to `cols` inputs.
+    pub(super) fn halves(tokens: usize, cols: usize) -> usize {
+        Self::rows(tokens) * (cols + 4)
+    }
+}
+
 /// Whether `matvec_mma` takes weights of `bits` bits in groups of `group`, rows of `cols`: 4-
 /// or 8-bit, each 16-byte chunk of a row inside one group, rows of whole quads of chunks, and
 /// its staging within the shared memory it may use.
@@ -2143,6 +2221,28 @@ mod tests {
         }
         // One tile: rows of cols + 4 halves, 32 scales, a float4 per lane of 8 warps.
         assert_eq!(mma_smem(2048, 1), (8 * 2052 * 2 + (32 + 1024) * 4) as u32);
+    }
+
+    #[test]
+    fn tensor_core_mat_vec_staging_holds_every_block_of_tokens() {
+        // matvec_mma stages whole blocks of tokens (the last one padded with zero rows), rows of
+        // cols + 4 halves: what a batch of up to `most` tokens may ask for fits what is
+        // allocated for `most`.
+        for most in [1usize, 3, 8, 18, 32, 33, 64, 100] {
+            for cols in [512, 2048, 4096] {
+                for tokens in 1..=most {
+                    let padded =
+                        tokens.next_multiple_of(MMA_TOKENS * mma_block_tiles(tokens, cols));
+                    assert!(
+                        padded <= MmaStaging::rows(most),
+                        "{tokens} of {most}, {cols}"
+                    );
+                    assert!(padded * (cols + 4) <= MmaStaging::halves(most, cols));
+                }
+            }
+        }
+        // 16-byte pieces: a block's rows (a multiple of 8) of cols + 4 halves each.
+        assert_eq!((MMA_TOKENS * (2048 + 4) * 2) % 16, 0);
     }
 
     #[test]

@@ -100,18 +100,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                  : "r"(address));
 }
 
-// Copies 16 bytes from global to shared memory asynchronously; writes zeros instead (reading
-// nothing) when !valid.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Waits for every cp.async this thread issued (other threads' copies need a __syncthreads after).
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 // Two floats as a bf16 pair, `lo` in the low half (the lower column of an mma fragment).
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -273,7 +261,7 @@ __device__ __forceinline__ void attention_split_impl(const AttentionDims& d, con
     const int k_row = (lane & 7) + ((lane >> 3) & 1) * 8, k_col = (lane >> 4) * 8;
     const int v_row = (lane & 7) + (lane >> 4) * 8, v_col = ((lane >> 3) & 1) * 8;
     for (; first < end; first += DECODE_TILE * DECODE_WARPS) {
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncwarp();
         // S^T: two accumulators halve the dependent chain of products.
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -341,7 +329,7 @@ __device__ __forceinline__ void attention_split_impl(const AttentionDims& d, con
         merge_sum[warp][2 * c] = run_sum[0];
         merge_sum[warp][2 * c + 1] = run_sum[1];
     }
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
     float* merged = reinterpret_cast<float*>(kv_tiles);  // [warp][head][D]
 #pragma unroll
@@ -654,7 +642,7 @@ __device__ void attention_prefill_impl(const AttentionDims& d, const float* q, c
     for (int kt = 0; kt < key_tiles; ++kt) {
         const int first = kt * PREFILL_KEY_TILE;
         const bool active = warp_has_rows && first <= warp_limit;  // warp-uniform
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // K tile kt (and at kt = 0 the Q tile) in place; every warp done with V tile kt - 1
         prefill_stage_keys<D>(v_tile, v_cache, kv_stride, hd, first, key_end);
         cp_async_commit();
@@ -721,7 +709,7 @@ __device__ void attention_prefill_impl(const AttentionDims& d, const float* q, c
                 o[i][3] *= correction[1];
             }
         }
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // V tile kt in place; every warp done with K tile kt
         if (kt + 1 < key_tiles) {
             prefill_stage_keys<D>(k_tile, k_cache, kv_stride, hd, first + PREFILL_KEY_TILE, key_end);

@@ -484,25 +484,10 @@ extern "C" __global__ void __launch_bounds__(256) deltanet_scan(DeltaNetDims d, 
 // not a multiple of 32.
 __device__ __forceinline__ int gdn_state_cols(int value_dim) { return value_dim % 32 == 0 ? 32 : 16; }
 
-// Copies 16 bytes from global to shared memory asynchronously; writes zeros instead (reading
-// nothing) when !valid.
-__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
 __device__ __forceinline__ void cp_async_8(double* dst, const double* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(shared_address(dst)), "l"(src) : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Waits until at most PENDING of this thread's latest commit groups are in flight (other threads'
-// copies need a __syncthreads after).
-template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
 
 // The whole block: cp.async of a sub-chunk's 64 rows of `width` floats (a multiple of 4; rows
 // 16-byte aligned) from src (row stride src_stride) to dst (row stride dst_stride); rows from
@@ -513,7 +498,7 @@ __device__ __forceinline__ void copy_sub_chunk(float* dst, int dst_stride, const
     for (int i = threadIdx.x; i < GDN_CHUNK * chunks; i += blockDim.x) {
         const int r = i / chunks, c = 4 * (i % chunks);
         const bool here = r < valid;
-        cp_async_16(dst + r * dst_stride + c, src + (here ? r : 0) * src_stride + c, here);
+        cp_async_16(shared_address(dst + r * dst_stride + c), src + (here ? r : 0) * src_stride + c, here);
     }
 }
 

@@ -60,28 +60,37 @@ __device__ __forceinline__ int permuted_input(int i, int bits) {
     return (i & ~7) + ((p & 1) ? 4 + (p >> 1) : (p >> 1));
 }
 
-// Stores the group of eight inputs v at dst (16-byte aligned) in fp16, permuted for `bits`-bit
+// Stores the group of eight inputs v at dst (8-byte aligned) in fp16, permuted for `bits`-bit
 // weights: position i holds v[permuted_input(i, bits)].
 __device__ __forceinline__ void store_eight_permuted(__half* dst, const float (&v)[8], int bits) {
     __align__(16) __half h[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) h[i] = __float2half_rn(v[permuted_input(i, bits)]);
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(h);
+    reinterpret_cast<uint2*>(dst)[0] = reinterpret_cast<const uint2*>(h)[0];
+    reinterpret_cast<uint2*>(dst)[1] = reinterpret_cast<const uint2*>(h)[1];
 }
 
 // x16[t] = x[t] / xscale[t] in fp16 (RMS-normalised and scaled by norm_scale first when it is
 // non-null), inputs permuted within groups of 8 for `bits`-bit weights (see above); xscale[t] is
-// the power of two that brings max |x[t]| under 2^15. One block of 256 threads per token, a
-// group of 8 inputs per thread at a time; K a multiple of 8.
-extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, int K, const float* norm_scale, float eps,
-                                                              int bits, __half* x16, float* xscale) {
+// the power of two that brings max |x[t]| under 2^15, times row_weight[t * row_weight_stride]
+// when row_weight is non-null (a per-token weight of the product's output). Rows of x are
+// x_stride floats apart, rows of x16 out_stride halves (a multiple of 4: the decode products'
+// shared-memory layout, matvec_mma); rows from `tokens` to the grid's end are zeros (a product's
+// tiles padded to whole blocks of tokens). One block of 256 threads per row, a group of 8 inputs
+// per thread at a time; K a multiple of 8.
+extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, int K, int x_stride,
+                                                              const float* norm_scale, float eps, int bits,
+                                                              const float* row_weight, int row_weight_stride,
+                                                              int tokens, __half* x16, int out_stride,
+                                                              float* xscale) {
     __shared__ float scratch[64];
     wait_for_previous_kernel();
     const size_t t = blockIdx.x;
-    const float* row = x + t * K;
+    const bool live = t < (size_t)tokens;
+    const float* row = x + t * x_stride;
     const int groups = K / 8;
     float ss = 0.0f, mx = 0.0f;
-    for (int gi = threadIdx.x; gi < groups; gi += blockDim.x) {
+    for (int gi = threadIdx.x; live && gi < groups; gi += blockDim.x) {
         float v[8], n[8];
         load_eight(row + 8 * gi, v);
         if (norm_scale != nullptr) load_eight(norm_scale + 8 * gi, n);
@@ -97,14 +106,14 @@ extern "C" __global__ void __launch_bounds__(256) rows_to_half(const float* x, i
     const float s = mx > 0.0f ? exp2f(ceilf(log2f(mx)) - 14.0f) : 1.0f;
     const float r = inv / s;
     for (int gi = threadIdx.x; gi < groups; gi += blockDim.x) {
-        float v[8], n[8];
-        load_eight(row + 8 * gi, v);
+        float v[8] = {}, n[8];
+        if (live) load_eight(row + 8 * gi, v);
         if (norm_scale != nullptr) load_eight(norm_scale + 8 * gi, n);
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = norm_scale != nullptr ? v[e] * r * n[e] : v[e] * r;
-        store_eight_permuted(x16 + t * K + 8 * gi, v, bits);
+        store_eight_permuted(x16 + t * out_stride + 8 * gi, v, bits);
     }
-    if (threadIdx.x == 0) xscale[t] = s;
+    if (threadIdx.x == 0) xscale[t] = live && row_weight != nullptr ? s * row_weight[t * row_weight_stride] : s;
 }
 
 // The tokens of one block tile: `count` of them from `start`; token i is assignment(i), which
@@ -118,21 +127,12 @@ struct TokenTile {
     __device__ __forceinline__ int assignment(int i) const { return order != nullptr ? order[start + i] : start + i; }
 };
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool valid) {
-    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0));
-}
 // Copies the aligned 32-bit word holding the 16-bit scale or bias at `global` (4-byte aligned
 // allocations) to `smem`.
 __device__ __forceinline__ void cp_async_word(uint32_t* smem, const scale_t* global) {
     const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
     const void* src = reinterpret_cast<const void*>(reinterpret_cast<size_t>(global) & ~(size_t)3);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
 }
 
 // The warpgroup product D (64 rows x 64 tokens, f32) += A (64 rows x 16 inputs, fp16, this
@@ -306,13 +306,13 @@ __device__ __forceinline__ void gemm_tile(const Weight& w, int row_base, int row
             const int row = tid / CHUNKS + i * (GEMM_THREADS / CHUNKS);
             const size_t r = min(first_row + row, last_row);
             const int slot = BITS == 16 ? w_chunk ^ (row & 7) : w_chunk;
-            cp_async_16(&st.w[row][slot], w_valid ? wdata + r * row_chunks + CHUNKS * (first_step + step) + w_chunk : wdata, w_valid);
+            cp_async_16(shared_address(&st.w[row][slot]), w_valid ? wdata + r * row_chunks + CHUNKS * (first_step + step) + w_chunk : wdata, w_valid);
         }
         const bool x_valid = k0 + 8 * x_block < K;
 #pragma unroll
         for (int i = 0; i < X_COPIES; ++i) {
             const int token = (tid >> 3) + i * (GEMM_THREADS / 8);
-            cp_async_16(&st.x[token][x_block ^ (token & 7)], x_valid ? x16 + (size_t)x_rows[i] * K + k0 + 8 * x_block : x16, x_valid);
+            cp_async_16(shared_address(&st.x[token][x_block ^ (token & 7)]), x_valid ? x16 + (size_t)x_rows[i] * K + k0 + 8 * x_block : x16, x_valid);
         }
     };
 

@@ -133,64 +133,6 @@ __device__ __forceinline__ uint32_t mma_dequant(uint32_t w, int shift, __half2 s
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Stages `tokens` (at most `rows`, a multiple of MMA_TOKENS) rows of x (cols values each, x_stride
-// apart) as fp16 in the mma order, row t at xs + t * stride halves (zeros for rows past `tokens` up
-// to `rows`), and out_scale[t] = what each product with row t must be multiplied by (its power of
-// two, times row_weight[t * row_weight_stride] when row_weight is non-null; the staged values
-// already include the RMS norm when norm_scale is given). A warp per row, 8 inputs per lane at a
-// time, loads unrolled so that several are in flight: the row's sum of squares and largest
-// magnitude first, then the conversion (reading the row again, from L1). cols: a multiple of 8.
-template <int BITS>
-__device__ void mma_stage(const float* x, int cols, int x_stride, int tokens, int rows, const float* norm_scale,
-                          float eps, const float* row_weight, int row_weight_stride, __half* xs, int stride,
-                          float* out_scale) {
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    for (int t = threadIdx.x >> 5; t < rows; t += warps) {
-        __half* row = xs + (size_t)t * stride;
-        const float* xr = x + (size_t)t * x_stride;
-        float ss = 0.0f, mx = 0.0f;
-        if (t < tokens) {
-#pragma unroll 4
-            for (int i = lane * 8; i < cols; i += 256) {
-                float v[8], n[8];
-                load_eight(xr + i, v);
-                if (norm_scale != nullptr) load_eight(norm_scale + i, n);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    ss += v[j] * v[j];
-                    mx = fmaxf(mx, fabsf(norm_scale != nullptr ? v[j] * n[j] : v[j]));
-                }
-            }
-        }
-        ss = warp_sum(ss);
-        mx = warp_max(mx);
-        const float inv = norm_scale != nullptr ? rsqrtf(ss / cols + eps) : 1.0f;
-        // The power of two that brings the largest staged value under 2^14.
-        int e = 0;
-        if (mx * inv > 0.0f) frexpf(mx * inv, &e);
-        const float pow2 = ldexpf(1.0f, max(e - 14, -126));
-        const float to_half = t < tokens ? inv / pow2 : 0.0f;
-#pragma unroll 4
-        for (int i = lane * 8; i < cols; i += 256) {
-            float v[8] = {}, n[8];
-            if (t < tokens) load_eight(xr + i, v);
-            if (norm_scale != nullptr) load_eight(norm_scale + i, n);
-            __align__(8) __half h[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int src = BITS == 4 ? (j & 1 ? 4 + (j >> 1) : j >> 1) : (j & 3) == 1 ? (j & 4) + 2 : (j & 3) == 2 ? (j & 4) + 1 : j;
-                h[j] = __float2half_rn(v[src] * (norm_scale != nullptr ? n[src] : 1.0f) * to_half);
-            }
-            // Two 8-byte stores: rows are 8-byte aligned (stride cols + 4 halves).
-            reinterpret_cast<uint2*>(row + i)[0] = *reinterpret_cast<const uint2*>(h);
-            reinterpret_cast<uint2*>(row + i)[1] = *reinterpret_cast<const uint2*>(h + 4);
-        }
-        if (lane == 0)
-            out_scale[t] = row_weight != nullptr && t < tokens ? pow2 * row_weight[t * row_weight_stride] : pow2;
-    }
-    __syncthreads();
-}
-
 // One pass of a warp's rows g and g + 8: MMA_PASS 16-byte chunks of each from `chunk` (4 lanes
 // of a quad side by side), with their groups' scales and biases as fp16 pairs.
 struct MmaPass {
@@ -253,28 +195,27 @@ __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks
     }
 }
 
-// y[t] = W x[t] (+= when `accumulate`; x RMS-normalised by norm_scale when non-null; times
-// row_weight[t * row_weight_stride] when that is non-null) for the `tokens` rows of x (x_stride
-// floats apart) and y of a batched decode step, on tensor cores: block row blockIdx.y takes
-// tokens NT * MMA_TOKENS * blockIdx.y .. + NT * MMA_TOKENS - 1, each weight row read once for
-// all of them. `ksplit` warps (1, 2, 4 or 8) share a tile
+// y[t] = W x[t] (+= when `accumulate`) for the `tokens` rows of y of a batched decode step, on
+// tensor cores, x already staged in fp16 by rows_to_half (the previous launch: row t at
+// staged + t * (cols + 4) halves, zeros up to the grid's last token, each product to be
+// multiplied by scales[t]): block row blockIdx.y takes tokens NT * MMA_TOKENS * blockIdx.y ..
+// + NT * MMA_TOKENS - 1, each weight row read once for all of them. Staging once per launch
+// rather than in every block: a block staging all the tokens' rows itself spent half its time
+// there (Nsight Compute, 32 tokens). `ksplit` warps (1, 2, 4 or 8) share a tile
 // of 16 weight rows, each a slice of its chunks, so that matrices of few rows still spread over
 // every SM; the block's warps hold 8 / ksplit tiles at a time, persistent over the rows, and
 // add up a tile's slices in shared memory. W: 4- or 8-bit, groups of at least 128 / bits
 // inputs, chunks per row (cols * bits / 128) a multiple of 4 * ksplit. Shared memory (mma_smem
-// in mod.rs): NT * MMA_TOKENS * (cols + 4) halves, then 32 floats (the tokens' scales), then
-// NT * 8 * 32 * 4 floats (the slices' sums).
+// in mod.rs): NT * MMA_TOKENS * (cols + 4) halves (the staged rows as they are in memory), then
+// 32 floats (the tokens' scales), then NT * 8 * 32 * 4 floats (the slices' sums).
 template <int NT>
-__device__ __forceinline__ void matvec_mma_impl(const Weight& w, const float* x, int x_stride, const float* norm_scale,
-                                                float eps, const float* row_weight, int row_weight_stride, float* y,
+__device__ __forceinline__ void matvec_mma_impl(const Weight& w, const __half* staged, const float* scales, float* y,
                                                 int accumulate, int tokens, int ksplit) {
     extern __shared__ __align__(16) float smem[];
     constexpr int ROWS = NT * MMA_TOKENS;
     const int first = blockIdx.y * ROWS;
     tokens = min(ROWS, tokens - first);
-    x += (size_t)first * x_stride;
     y += (size_t)first * w.rows;
-    if (row_weight != nullptr) row_weight += (size_t)first * row_weight_stride;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     // Rows of consecutive tokens 2 cols + 8 bytes apart: the 8-byte loads of a warp's 8 tokens
@@ -295,13 +236,15 @@ __device__ __forceinline__ void matvec_mma_impl(const Weight& w, const float* x,
     if (w.bits == 4) mma_load<4>(lo, hi, begin, end, w.group_shift, c, pass);
     else mma_load<8>(lo, hi, begin, end, w.group_shift, c, pass);
     wait_for_previous_kernel();
-    if (w.bits == 4)
-        mma_stage<4>(x, w.cols, x_stride, tokens, ROWS, norm_scale, eps, row_weight, row_weight_stride, xs, stride,
-                     out_scale);
-    else
-        mma_stage<8>(x, w.cols, x_stride, tokens, ROWS, norm_scale, eps, row_weight, row_weight_stride, xs, stride,
-                     out_scale);
+    // The block's rows, contiguous in memory as in shared memory (ROWS * stride halves, a whole
+    // number of 16-byte pieces: ROWS is a multiple of 8), all requested at once.
     const uint32_t xs_at = shared_address(xs);
+    const char* src = reinterpret_cast<const char*>(staged + (size_t)first * stride);
+    for (int i = threadIdx.x; i < ROWS * stride / 8; i += blockDim.x) cp_async_16(xs_at + 16 * i, src + 16 * i);
+    cp_async_commit();
+    if (threadIdx.x < ROWS) out_scale[threadIdx.x] = scales[first + threadIdx.x];
+    cp_async_wait<0>();
+    __syncthreads();
     // A block-uniform trip count: the slices meet at barriers.
     for (int group = blockIdx.x; group * per_block < tiles; group += gridDim.x) {
         float acc[NT][4] = {};
@@ -360,29 +303,20 @@ __device__ __forceinline__ void matvec_mma_impl(const Weight& w, const float* x,
 
 // matvec_mma_impl for 8, 16 and 32 tokens a block (wider blocks read each weight row once for
 // more tokens, but stage more inputs: mma_block_tiles in mod.rs picks).
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const float* x, int x_stride,
-                                                              const float* norm_scale, float eps,
-                                                              const float* row_weight, int row_weight_stride,
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const __half* staged, const float* scales,
                                                               float* y, int accumulate, int tokens, int ksplit) {
     TRACE_BLOCK();
-    matvec_mma_impl<1>(w, x, x_stride, norm_scale, eps, row_weight, row_weight_stride, y, accumulate, tokens,
-                       ksplit);
+    matvec_mma_impl<1>(w, staged, scales, y, accumulate, tokens, ksplit);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma_16(Weight w, const float* x, int x_stride,
-                                                                 const float* norm_scale, float eps,
-                                                                 const float* row_weight, int row_weight_stride,
-                                                                 float* y, int accumulate, int tokens, int ksplit) {
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma_16(Weight w, const __half* staged, const float* scales,
+                                                              float* y, int accumulate, int tokens, int ksplit) {
     TRACE_BLOCK();
-    matvec_mma_impl<2>(w, x, x_stride, norm_scale, eps, row_weight, row_weight_stride, y, accumulate, tokens,
-                       ksplit);
+    matvec_mma_impl<2>(w, staged, scales, y, accumulate, tokens, ksplit);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) matvec_mma_32(Weight w, const float* x, int x_stride,
-                                                                 const float* norm_scale, float eps,
-                                                                 const float* row_weight, int row_weight_stride,
-                                                                 float* y, int accumulate, int tokens, int ksplit) {
+extern "C" __global__ void __launch_bounds__(256, 1) matvec_mma_32(Weight w, const __half* staged, const float* scales,
+                                                              float* y, int accumulate, int tokens, int ksplit) {
     TRACE_BLOCK();
-    matvec_mma_impl<4>(w, x, x_stride, norm_scale, eps, row_weight, row_weight_stride, y, accumulate, tokens,
-                       ksplit);
+    matvec_mma_impl<4>(w, staged, scales, y, accumulate, tokens, ksplit);
 }

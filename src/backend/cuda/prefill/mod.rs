@@ -22,7 +22,7 @@ use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
     AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
-    DeltaNetShape, NO_BATCH_CONTEXT, NO_TABLE, StepSeqs, arg, attention_tile_row, cfg,
+    DeltaNetShape, MmaStaging, NO_BATCH_CONTEXT, NO_TABLE, StepSeqs, arg, attention_tile_row, cfg,
     moe_slot_width,
 };
 use crate::backend::LogitsFor;
@@ -238,8 +238,9 @@ impl PrefillScratch {
         Ok(Self {
             tokens: stream.alloc_zeros::<i32>(n)?,
             x: stream.alloc_zeros::<f32>(n * c.hidden_size)?,
-            x16: stream.alloc_zeros::<u16>(n * widest)?,
-            xscale: stream.alloc_zeros::<f32>(n)?,
+            // Also the staging of the few-token products (`matvec_mma`, see project_split).
+            x16: stream.alloc_zeros::<u16>((n * widest).max(MmaStaging::halves(n, widest)))?,
+            xscale: stream.alloc_zeros::<f32>(MmaStaging::rows(n))?,
             layer,
             mixer,
             moe,
@@ -491,7 +492,8 @@ impl CudaBackend {
             self.gemm_rows_split(w, x16, xs, n, y, accumulate, splits)?;
             Ok(splits)
         } else {
-            self.matvec("prefill_matvec", w, x, norm, y, accumulate, n)?;
+            let staging = MmaStaging::of(&ps.x16, &ps.xscale, s);
+            self.matvec_staged("prefill_matvec", w, x, norm, y, accumulate, n, staging)?;
             Ok(1)
         }
     }
