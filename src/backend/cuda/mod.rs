@@ -1452,11 +1452,13 @@ impl CudaBackend {
         )?;
         let kernel = &self.k.matvec_mma[block_tiles.trailing_zeros() as usize];
         let smem = mma_smem(w.cols, block_tiles);
-        // One wave of persistent blocks: as many as fit on an SM beside each other.
+        // One wave of persistent blocks: as many as fit on an SM beside each other, shared by
+        // the grid's rows of tokens (a second wave would start each block's chain again).
         let per_sm = kernel
             .occupancy_max_active_blocks_per_multiprocessor(MATVEC_THREADS, smem as usize, None)?
             .max(1) as usize;
-        let resident = self.num_sms as usize * per_sm;
+        let block_rows = tokens.div_ceil(MMA_TOKENS * block_tiles);
+        let resident = (self.num_sms as usize * per_sm).div_ceil(block_rows);
         let (tiles, ksplit) = mma_split(w.rows, w.cols, w.bits, resident * warps);
         let blocks = tiles.div_ceil(warps / ksplit).min(resident);
         let (acc, tokens32, ksplit32) = (accumulate as i32, tokens as i32, ksplit as i32);
@@ -1467,12 +1469,7 @@ impl CudaBackend {
             self.launch(
                 role,
                 kernel,
-                cfg(
-                    blocks as u32,
-                    tokens.div_ceil(MMA_TOKENS * block_tiles) as u32,
-                    MATVEC_THREADS,
-                    smem,
-                ),
+                cfg(blocks as u32, block_rows as u32, MATVEC_THREADS, smem),
                 &mut [
                     arg(&desc),
                     arg(&staging.x16),
