@@ -2235,11 +2235,12 @@ mod tests {
                         "{tokens} of {most}, {cols}"
                     );
                     assert!(padded * (cols + 4) <= MmaStaging::halves(most, cols));
+                    // Each block copies whole 16-byte pieces: its rows of cols + 4 halves.
+                    let block = MMA_TOKENS * mma_block_tiles(tokens, cols) * (cols + 4) * 2;
+                    assert_eq!(block % 16, 0, "{tokens} of {cols}");
                 }
             }
         }
-        // 16-byte pieces: a block's rows (a multiple of 8) of cols + 4 halves each.
-        assert_eq!((MMA_TOKENS * (2048 + 4) * 2) % 16, 0);
     }
 
     #[test]
