@@ -14,6 +14,8 @@ use anyhow::{Context, Result, bail, ensure};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use rayon::prelude::*;
 
+use crate::config::ModelConfig;
+
 /// The architecture every kernel is compiled for (Hopper with its `a` features).
 pub const ARCH: &str = "sm_90a";
 
@@ -222,10 +224,24 @@ pub fn check_all() -> Result<()> {
             " (traced)",
         ),
     ];
-    let jobs: Vec<_> = variants
+    let mut jobs: Vec<_> = variants
         .iter()
-        .flat_map(|(defines, variant)| MODULES.iter().map(move |m| (defines, variant, m)))
+        .flat_map(|(defines, variant)| MODULES.iter().map(move |m| (defines.clone(), *variant, m)))
         .collect();
+    // And with the full-size model's shapes compiled in, as the backend compiles them for it.
+    let full_size =
+        ModelConfig::from_json_str(include_str!("../../../configs/qwen3.6-35b-a3b.json"))?;
+    let shapes = [("deltanet", super::deltanet_shape_defines(&full_size))];
+    for m in MODULES
+        .iter()
+        .filter(|(name, _)| shapes.iter().any(|(s, _)| s == name))
+    {
+        jobs.push((
+            module_defines(m.0, &with(&[]), &shapes),
+            " (full-size shape)",
+            m,
+        ));
+    }
     // In parallel (NVRTC compiles separate programs concurrently), reported in order.
     let results: Vec<_> = jobs
         .par_iter()
@@ -263,15 +279,33 @@ pub fn check_all() -> Result<()> {
     Ok(())
 }
 
-/// Compiles every module with `defines` set, for loading into a context. The modules compile in
-/// parallel: a start with nothing cached waits for the slowest one rather than for all in turn.
-pub fn compile_all(defines: &[String]) -> Result<Vec<(&'static str, Ptx)>> {
+/// Defines of one module only (the model's shapes it is compiled for): (module, defines).
+pub type ModuleDefines<'a> = [(&'a str, Vec<String>)];
+
+/// `defines`, then those `per_module` gives module `name`.
+fn module_defines(name: &str, defines: &[String], per_module: &ModuleDefines) -> Vec<String> {
+    let own = per_module.iter().filter(|(m, _)| *m == name);
+    defines
+        .iter()
+        .chain(own.flat_map(|(_, d)| d))
+        .cloned()
+        .collect()
+}
+
+/// Compiles every module with `defines` (and its own in `per_module`) set, for loading into a
+/// context. The modules compile in parallel: a start with nothing cached waits for the slowest
+/// one rather than for all in turn.
+pub fn compile_all(
+    defines: &[String],
+    per_module: &ModuleDefines,
+) -> Result<Vec<(&'static str, Ptx)>> {
     MODULES
         .par_iter()
         .map(|(name, src)| {
+            let defines = module_defines(name, defines, per_module);
             Ok((
                 *name,
-                compile(name, src, true, defines).context("compiling kernels")?,
+                compile(name, src, true, &defines).context("compiling kernels")?,
             ))
         })
         .collect()
@@ -279,12 +313,12 @@ pub fn compile_all(defines: &[String]) -> Result<Vec<(&'static str, Ptx)>> {
 
 /// Compiles module `name` again, bypassing and then replacing its cache entry: for a cached PTX
 /// file the driver would not load (damaged on disk, or from another toolchain).
-pub fn recompile(name: &str, defines: &[String]) -> Result<Ptx> {
+pub fn recompile(name: &str, defines: &[String], per_module: &ModuleDefines) -> Result<Ptx> {
     let (_, src) = MODULES
         .iter()
         .find(|(n, _)| *n == name)
         .with_context(|| format!("no kernel module `{name}`"))?;
-    compile(name, src, false, defines)
+    compile(name, src, false, &module_defines(name, defines, per_module))
 }
 
 #[cfg(test)]

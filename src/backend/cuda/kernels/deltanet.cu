@@ -63,11 +63,36 @@ struct DeltaNetSeqs {
 // Launch: value_heads * splits blocks in clusters of `splits`; cols = value_dim / splits columns
 // per block, cols * groups threads, each owning key_dim / groups state rows of one column.
 // Shared memory: (2 * key_dim + cols + threads + 64) floats.
-__device__ __forceinline__ void deltanet_step_impl(const DeltaNetDims& d, const float* proj, float* conv_ring,
+// The step's dimensions, with the model's DeltaNet shape in place of `given` where it is compiled
+// in (GDN_KEY_DIM and the rest defined): the step's index arithmetic then folds to constants.
+__device__ __forceinline__ DeltaNetDims deltanet_shape(DeltaNetDims given) {
+#ifdef GDN_KEY_DIM
+    given.key_heads = GDN_KEY_HEADS;
+    given.value_heads = GDN_VALUE_HEADS;
+    given.key_dim = GDN_KEY_DIM;
+    given.value_dim = GDN_VALUE_DIM;
+    given.kernel = GDN_CONV_KERNEL;
+    given.splits = GDN_SPLITS;
+#endif
+    return given;
+}
+
+// deltanet_step's threads per block (blockDim.x), compiled in with the shape.
+__device__ __forceinline__ int deltanet_step_threads() {
+#ifdef GDN_STEP_THREADS
+    return GDN_STEP_THREADS;
+#else
+    return blockDim.x;
+#endif
+}
+
+__device__ __forceinline__ void deltanet_step_impl(const DeltaNetDims& given, const float* proj, float* conv_ring,
                                                    const float* conv_w, const float* a_log, const float* dt_bias,
                                                    const float* norm_w, float* state, const int* position,
                                                    int tokens, float* out, const DeltaNetSeqs& seqs) {
     extern __shared__ float smem[];
+    const DeltaNetDims d = deltanet_shape(given);
+    const int threads = deltanet_step_threads();
     // Sums of squares of the head's output, per token parity, block of the cluster and warp of
     // group 0 (cols <= 256, splits <= MAX_SPLITS): every block pushes its own to all.
     __shared__ float partial_sq[2][MAX_SPLITS][8];
@@ -91,7 +116,7 @@ __device__ __forceinline__ void deltanet_step_impl(const DeltaNetDims& d, const 
     // recurrent state, the conv history and the per-head parameters are requested before waiting
     // for the projections. Thread (c, grp) owns state rows grp, grp + groups, ... of column
     // col0 + c.
-    const int groups = div_fast(blockDim.x, cols);
+    const int groups = div_fast(threads, cols);
     const int c = mod_fast(threadIdx.x, cols), grp = div_fast(threadIdx.x, cols), dv = col0 + c;
     const int rows = div_fast(d.key_dim, groups);
     float* S = state + (size_t)h * d.key_dim * d.value_dim;
@@ -106,8 +131,8 @@ __device__ __forceinline__ void deltanet_step_impl(const DeltaNetDims& d, const 
     float* k = q + d.key_dim;        // [key_dim]
     float* v = k + d.key_dim;        // [cols]
     float* red = v + cols;           // [groups, cols]
-    float* scratch = red + blockDim.x;  // [64]
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float* scratch = red + threads;  // [64]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = threads >> 5;
 
     // Causal conv + SiLU over the channels this block reads: its key head's q and k, its v
     // columns. At most 2 * key_dim + cols <= 2 * blockDim channels: two per thread, each with
@@ -118,7 +143,7 @@ __device__ __forceinline__ void deltanet_step_impl(const DeltaNetDims& d, const 
     float back[2][MAX_CONV_KERNEL], hist[2][MAX_CONV_KERNEL - 1];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int i = threadIdx.x + r * blockDim.x;
+        const int i = threadIdx.x + r * threads;
         int ch = 0;
         if (i < nq) ch = kh * d.key_dim + i;
         else if (i < 2 * nq) ch = key_width + kh * d.key_dim + (i - nq);
@@ -147,7 +172,7 @@ __device__ __forceinline__ void deltanet_step_impl(const DeltaNetDims& d, const 
         float qs = 0.0f, ks = 0.0f;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int i = threadIdx.x + r * blockDim.x;
+            const int i = threadIdx.x + r * threads;
             if (i >= channels) continue;
             const int ch = conv_ch[r];
             const float cur = row[ch];
