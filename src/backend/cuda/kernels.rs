@@ -231,7 +231,7 @@ pub fn check_all() -> Result<()> {
     // And with the full-size model's shapes compiled in, as the backend compiles them for it.
     let full_size =
         ModelConfig::from_json_str(include_str!("../../../configs/qwen3.6-35b-a3b.json"))?;
-    let shapes = [("deltanet", super::deltanet_shape_defines(&full_size))];
+    let shapes = super::shape_defines(&full_size);
     for m in MODULES
         .iter()
         .filter(|(name, _)| shapes.iter().any(|(s, _)| s == name))

@@ -28,6 +28,19 @@ struct MoeDims {
     float eps;
 };
 
+// The MoE's dimensions, with the model's in place of `given` where they are compiled in
+// (MOE_EXPERTS and the rest defined): index arithmetic and loop bounds then fold to constants.
+__device__ __forceinline__ MoeDims moe_shape(MoeDims given) {
+#ifdef MOE_EXPERTS
+    given.experts = MOE_EXPERTS;
+    given.top_k = MOE_TOP_K;
+    given.intermediate = MOE_INTERMEDIATE;
+    given.shared_intermediate = MOE_SHARED_INTERMEDIATE;
+    given.hidden = MOE_HIDDEN;
+#endif
+    return given;
+}
+
 // A sort key for (logit, expert): larger logits give larger keys, ties go to the lower id, and
 // every valid key's upper half is above 0 (so padding_key(e) ranks below all of them).
 __device__ __forceinline__ unsigned long long route_key(float v, int e) {
@@ -181,6 +194,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
                                                                     Weight shared_up, const float* residual,
                                                                     const float* norm_scale, float* router_logits,
                                                                     float* act) {
+    d = moe_shape(d);
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const size_t token = blockIdx.z;
@@ -238,6 +252,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
                                                               const float* norm_scale, const float* router_logits,
                                                               float* act, int* ids_out, float* weights_out) {
+    d = moe_shape(d);
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     __shared__ Routing r;
@@ -301,6 +316,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tokens(MoeDims 
                                                                      const float* residual, const float* norm_scale,
                                                                      const int* ids, int tokens, int per_block,
                                                                      float* act) {
+    d = moe_shape(d);
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     __shared__ float x_scales[MOE_TOKENS_PER_BLOCK];
@@ -460,6 +476,7 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual, int routed_early) {
+    d = moe_shape(d);
     TRACE_BLOCK();
     moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
 }
@@ -471,6 +488,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
 extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_BATCHED_BLOCKS) moe_down_batched(
     MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids_in, const float* weights_in,
     float* residual, int routed_early) {
+    d = moe_shape(d);
     TRACE_BLOCK();
     moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
 }
@@ -482,6 +500,7 @@ extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_BATCHED_BLOCKS) moe_d
 // where it is on a decode batch's critical path).
 extern "C" __global__ void __launch_bounds__(256) moe_route(MoeDims d, const float* router_logits, int splits,
                                                           size_t split_stride, int* ids, float* weights) {
+    d = moe_shape(d);
     __shared__ float logits[MAX_EXPERTS + 1];
     __shared__ unsigned long long keys[2 * MAX_EXPERTS];
     __shared__ int chosen[MAX_TOP_K + 1];
@@ -506,6 +525,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(MoeDims d, const flo
 // the counts over the block.
 extern "C" __global__ void __launch_bounds__(1024) moe_group(MoeDims d, const int* ids, int tokens, int tile,
                                                             int* order, int* tiles, int* tile_count) {
+    d = moe_shape(d);
     __shared__ int count[MAX_EXPERTS];
     __shared__ int cursor[MAX_EXPERTS];
     __shared__ unsigned long long warp_totals[32];
