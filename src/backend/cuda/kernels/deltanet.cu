@@ -53,16 +53,6 @@ struct DeltaNetSeqs {
     const unsigned long long* position;
 };
 
-// `tokens` consecutive tokens from position position[0]: proj and out hold one row per token.
-// Batched (seqs non-null; one token each): blockIdx.z is the row, whose sequence's conv ring,
-// state and position come from the tables.
-// conv_ring: [kernel, conv_dim]; conv_w: [conv_dim, kernel]; state: [value_heads, key_dim, value_dim].
-// A single token (decode) also records its conv input in the ring; for several, deltanet_conv_ring
-// does it afterwards (blocks run through the tokens at their own pace, and another block may
-// still need the history a ring slot holds).
-// Launch: value_heads * splits blocks in clusters of `splits`; cols = value_dim / splits columns
-// per block, cols * groups threads, each owning key_dim / groups state rows of one column.
-// Shared memory: (2 * key_dim + cols + threads + 64) floats.
 // The step's dimensions, with the model's DeltaNet shape in place of `given` where it is compiled
 // in (GDN_KEY_DIM and the rest defined): the step's index arithmetic then folds to constants.
 __device__ __forceinline__ DeltaNetDims deltanet_shape(DeltaNetDims given) {
@@ -86,6 +76,16 @@ __device__ __forceinline__ int deltanet_step_threads() {
 #endif
 }
 
+// `tokens` consecutive tokens from position position[0]: proj and out hold one row per token.
+// Batched (seqs non-null; one token each): blockIdx.z is the row, whose sequence's conv ring,
+// state and position come from the tables.
+// conv_ring: [kernel, conv_dim]; conv_w: [conv_dim, kernel]; state: [value_heads, key_dim, value_dim].
+// A single token (decode) also records its conv input in the ring; for several, deltanet_conv_ring
+// does it afterwards (blocks run through the tokens at their own pace, and another block may
+// still need the history a ring slot holds).
+// Launch: value_heads * splits blocks in clusters of `splits`; cols = value_dim / splits columns
+// per block, cols * groups threads, each owning key_dim / groups state rows of one column.
+// Shared memory: (2 * key_dim + cols + threads + 64) floats.
 __device__ __forceinline__ void deltanet_step_impl(const DeltaNetDims& given, const float* proj, float* conv_ring,
                                                    const float* conv_w, const float* a_log, const float* dt_bias,
                                                    const float* norm_w, float* state, const int* position,
