@@ -231,16 +231,12 @@ pub fn check_all() -> Result<()> {
     // And with the full-size model's shapes compiled in, as the backend compiles them for it.
     let full_size =
         ModelConfig::from_json_str(include_str!("../../../configs/qwen3.6-35b-a3b.json"))?;
-    let shapes = super::shape_defines(&full_size);
-    for m in MODULES
-        .iter()
-        .filter(|(name, _)| shapes.iter().any(|(s, _)| s == name))
-    {
-        jobs.push((
-            module_defines(m.0, &with(&[]), &shapes),
-            " (full-size shape)",
-            m,
-        ));
+    for (module, own) in super::shape_defines(&full_size) {
+        let m = MODULES
+            .iter()
+            .find(|(name, _)| *name == module)
+            .with_context(|| format!("no kernel module `{module}`"))?;
+        jobs.push(([with(&[]), own].concat(), " (full-size shape)", m));
     }
     // In parallel (NVRTC compiles separate programs concurrently), reported in order.
     let results: Vec<_> = jobs

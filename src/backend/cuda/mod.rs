@@ -152,21 +152,26 @@ fn shape_defines(c: &ModelConfig) -> Vec<(&'static str, Vec<String>)> {
     ]
 }
 
+/// `NAME=VALUE` compile defines.
+fn defines(values: &[(&str, usize)]) -> Vec<String> {
+    values
+        .iter()
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect()
+}
+
 /// Defines that compile the model's MoE dimensions into the `moe` module (`moe_shape` in
 /// moe.cu): the routing's loops and the experts' row arithmetic fold to constants. At full size
 /// that took batch-1 decode from 731 to 748 tok/s (`moe_router_shared` 3.35 -> 3.17 us and
 /// `moe_down` 5.42 -> 5.28 us per launch on the critical path).
 fn moe_shape_defines(c: &ModelConfig) -> Vec<String> {
-    [
+    defines(&[
         ("MOE_EXPERTS", c.num_experts),
         ("MOE_TOP_K", c.num_experts_per_tok),
         ("MOE_INTERMEDIATE", c.moe_intermediate_size),
         ("MOE_SHARED_INTERMEDIATE", c.shared_expert_intermediate_size),
         ("MOE_HIDDEN", c.hidden_size),
-    ]
-    .iter()
-    .map(|(name, value)| format!("{name}={value}"))
-    .collect()
+    ])
 }
 
 /// Defines that compile the model's DeltaNet shape into the `deltanet` module (`deltanet_shape`
@@ -177,7 +182,7 @@ fn deltanet_shape_defines(c: &ModelConfig) -> Vec<String> {
     let Some(gdn) = DeltaNetShape::of(c) else {
         return Vec::new();
     };
-    [
+    defines(&[
         ("GDN_KEY_HEADS", c.linear_num_key_heads),
         ("GDN_VALUE_HEADS", c.linear_num_value_heads),
         ("GDN_KEY_DIM", c.linear_key_head_dim),
@@ -185,10 +190,7 @@ fn deltanet_shape_defines(c: &ModelConfig) -> Vec<String> {
         ("GDN_CONV_KERNEL", c.linear_conv_kernel_dim),
         ("GDN_SPLITS", gdn.splits),
         ("GDN_STEP_THREADS", gdn.threads),
-    ]
-    .iter()
-    .map(|(name, value)| format!("{name}={value}"))
-    .collect()
+    ])
 }
 
 #[repr(C)]
