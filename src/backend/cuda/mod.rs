@@ -161,9 +161,10 @@ fn defines(values: &[(&str, usize)]) -> Vec<String> {
 }
 
 /// Defines that compile the model's MoE dimensions into the `moe` module (`moe_shape` in
-/// moe.cu): the routing's loops and the experts' row arithmetic fold to constants. At full size
-/// that took batch-1 decode from 731 to 748 tok/s (`moe_router_shared` 3.35 -> 3.17 us and
-/// `moe_down` 5.42 -> 5.28 us per launch on the critical path).
+/// moe.cu) and the shapes of its weights (`moe_weight`): the routing's loops and the experts'
+/// row arithmetic fold to constants. At full size the dimensions took batch-1 decode from 731
+/// to 748 tok/s (`moe_router_shared` 3.35 -> 3.17 us and `moe_down` 5.42 -> 5.28 us per launch
+/// on the critical path), the weights' shapes from 744-748 to 758-762.
 fn moe_shape_defines(c: &ModelConfig) -> Vec<String> {
     defines(&[
         ("MOE_EXPERTS", c.num_experts),
