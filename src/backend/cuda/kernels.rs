@@ -14,6 +14,7 @@ use anyhow::{Context, Result, bail, ensure};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use rayon::prelude::*;
 
+use super::weights::WeightFormat;
 use crate::config::ModelConfig;
 
 /// The architecture every kernel is compiled for (Hopper with its `a` features).
@@ -226,17 +227,34 @@ pub fn check_all() -> Result<()> {
     ];
     let mut jobs: Vec<_> = variants
         .iter()
-        .flat_map(|(defines, variant)| MODULES.iter().map(move |m| (defines.clone(), *variant, m)))
+        .flat_map(|(defines, variant)| {
+            MODULES
+                .iter()
+                .map(move |m| (defines.clone(), variant.to_string(), m))
+        })
         .collect();
-    // And with the full-size model's shapes compiled in, as the backend compiles them for it.
+    // And with the full-size model's shapes compiled in, as the backend compiles them for it,
+    // for experts of every format (each module once per distinct set of defines).
     let full_size =
         ModelConfig::from_json_str(include_str!("../../../configs/qwen3.6-35b-a3b.json"))?;
-    for (module, own) in super::shape_defines(&full_size) {
-        let m = MODULES
-            .iter()
-            .find(|(name, _)| *name == module)
-            .with_context(|| format!("no kernel module `{module}`"))?;
-        jobs.push(([with(&[]), own].concat(), " (full-size shape)", m));
+    let mut shaped: Vec<(&str, Vec<String>)> = Vec::new();
+    for experts in [
+        WeightFormat::Affine { bits: 4, group: 64 },
+        WeightFormat::Affine { bits: 8, group: 32 },
+        WeightFormat::Bf16,
+    ] {
+        for (module, own) in super::shape_defines(&full_size, Some(experts)) {
+            if shaped.contains(&(module, own.clone())) {
+                continue;
+            }
+            shaped.push((module, own.clone()));
+            let m = MODULES
+                .iter()
+                .find(|(name, _)| *name == module)
+                .with_context(|| format!("no kernel module `{module}`"))?;
+            let variant = format!(" (full-size shape, experts {experts:?})");
+            jobs.push(([with(&[]), own].concat(), variant, m));
+        }
     }
     // In parallel (NVRTC compiles separate programs concurrently), reported in order.
     let results: Vec<_> = jobs

@@ -142,13 +142,17 @@ impl DeltaNetShape {
     }
 }
 
-/// The model's shapes compiled into the kernel modules whose kernels read them: (module,
-/// defines). The kernels take the same dimensions as arguments too, and use those where nothing
-/// is compiled in (`lily kernels --check` compiles both).
-fn shape_defines(c: &ModelConfig) -> Vec<(&'static str, Vec<String>)> {
+/// The model's shapes compiled into the kernel modules whose kernels read them, and the format
+/// of its expert matrices where they all share one (`experts`): (module, defines). The kernels
+/// take the same dimensions and formats as arguments too, and use those where nothing is
+/// compiled in (`lily kernels --check` compiles both).
+fn shape_defines(
+    c: &ModelConfig,
+    experts: Option<WeightFormat>,
+) -> Vec<(&'static str, Vec<String>)> {
     vec![
         ("deltanet", deltanet_shape_defines(c)),
-        ("moe", moe_shape_defines(c)),
+        ("moe", moe_shape_defines(c, experts)),
     ]
 }
 
@@ -164,15 +168,31 @@ fn defines(values: &[(&str, usize)]) -> Vec<String> {
 /// moe.cu) and the shapes of its weights (`moe_weight`): the routing's loops and the experts'
 /// row arithmetic fold to constants. At full size the dimensions took batch-1 decode from 731
 /// to 748 tok/s (`moe_router_shared` 3.35 -> 3.17 us and `moe_down` 5.42 -> 5.28 us per launch
-/// on the critical path), the weights' shapes from 744-748 to 758-762.
-fn moe_shape_defines(c: &ModelConfig) -> Vec<String> {
-    defines(&[
-        ("MOE_EXPERTS", c.num_experts),
-        ("MOE_TOP_K", c.num_experts_per_tok),
-        ("MOE_INTERMEDIATE", c.moe_intermediate_size),
-        ("MOE_SHARED_INTERMEDIATE", c.shared_expert_intermediate_size),
-        ("MOE_HIDDEN", c.hidden_size),
-    ])
+/// on the critical path), the weights' shapes from 744-748 to 758-762. The experts' format, where
+/// every expert matrix shares one, leaves the kernels only that format's path (`expert_weight`):
+/// fewer instructions and registers (`moe_router_shared` 98 -> 80), 758-762 -> 767-770 tok/s.
+fn moe_shape_defines(c: &ModelConfig, experts: Option<WeightFormat>) -> Vec<String> {
+    let format = match experts {
+        Some(WeightFormat::Affine { bits, group }) => vec![
+            ("MOE_BITS", bits),
+            ("MOE_GROUP_SHIFT", group.trailing_zeros() as usize),
+        ],
+        // Dense rows have no groups.
+        Some(WeightFormat::Bf16) => vec![("MOE_BITS", 16), ("MOE_GROUP_SHIFT", 0)],
+        None => Vec::new(),
+    };
+    defines(
+        &[
+            ("MOE_EXPERTS", c.num_experts),
+            ("MOE_TOP_K", c.num_experts_per_tok),
+            ("MOE_INTERMEDIATE", c.moe_intermediate_size),
+            ("MOE_SHARED_INTERMEDIATE", c.shared_expert_intermediate_size),
+            ("MOE_HIDDEN", c.hidden_size),
+        ]
+        .into_iter()
+        .chain(format)
+        .collect::<Vec<_>>(),
+    )
 }
 
 /// Defines that compile the model's DeltaNet shape into the `deltanet` module (`deltanet_shape`
@@ -609,6 +629,8 @@ struct Kernels {
     /// Where traced kernels record their blocks' timelines (`LILY_TRACE_RECORDS` set; see
     /// `CudaBackend::decode_trace`).
     block_trace: Option<Mutex<CudaSlice<u64>>>,
+    /// The expert matrices' format the `moe` module was compiled for, if any.
+    expert_format: Option<WeightFormat>,
     matvec: CudaFunction,
     matvec_two_rows: CudaFunction,
     matvec_tokens: CudaFunction,
@@ -887,7 +909,8 @@ impl CudaBackend {
     /// Uploads a loaded model to device 0.
     pub fn new(model: &Model, opts: CudaOptions) -> Result<Self> {
         let scales = ScaleFormat::for_model(model);
-        let (ctx, stream, k, fill) = Self::init(&model.config, scales)?;
+        let experts = DeviceModel::expert_format_of_upload(model);
+        let (ctx, stream, k, fill) = Self::init(&model.config, scales, experts)?;
         let bar = indicatif::ProgressBar::new(model.layers.len() as u64).with_message("uploading");
         let weights = DeviceModel::upload(&stream, model, scales, |i| bar.set_position(i as u64))?;
         bar.finish_and_clear();
@@ -903,17 +926,19 @@ impl CudaBackend {
     ) -> Result<Self> {
         // The synthetic weights' scales are generated as bf16.
         let scales = ScaleFormat::Bf16;
-        let (ctx, stream, k, fill) = Self::init(config, scales)?;
+        let (ctx, stream, k, fill) = Self::init(config, scales, Some(format))?;
         let weights = DeviceModel::synthetic(&stream, &fill, config, format)?;
         stream.synchronize()?;
         Self::assemble(config.clone(), ctx, stream, k, weights, scales, opts)
     }
 
-    /// The context, stream and kernels (compiled for scales and biases in `scales`, and for
-    /// `config`'s shapes).
+    /// The context, stream and kernels (compiled for scales and biases in `scales`, for
+    /// `config`'s shapes, and for expert matrices in `experts` where that is known: the weights
+    /// must then be stored so, which `assemble` checks).
     fn init(
         config: &ModelConfig,
         scales: ScaleFormat,
+        experts: Option<WeightFormat>,
     ) -> Result<(Arc<CudaContext>, Arc<CudaStream>, Kernels, Fill)> {
         let ctx = CudaContext::new(0).context("no CUDA device (is the NVIDIA driver loaded?)")?;
         // SAFETY: lily uses one stream, so cudarc's cross-stream event tracking is not needed
@@ -946,7 +971,7 @@ impl CudaBackend {
             .chain(kernels::experiment_defines())
             .collect();
         let block_trace = block_trace.map(Mutex::new);
-        let shape = shape_defines(config);
+        let shape = shape_defines(config, experts);
         let mut functions = std::collections::HashMap::new();
         for (name, ptx) in kernels::compile_all(&defines, &shape)? {
             let module = match ctx.load_module(ptx) {
@@ -966,6 +991,7 @@ impl CudaBackend {
         };
         let k = Kernels {
             block_trace,
+            expert_format: experts,
             matvec: get("matvec")?,
             matvec_two_rows: get("matvec_two_rows")?,
             matvec_tokens: get("matvec_tokens")?,
@@ -1058,6 +1084,14 @@ impl CudaBackend {
         opts: CudaOptions,
     ) -> Result<Self> {
         let c = &config;
+        // The moe module carries only the path of the format it was compiled for.
+        ensure!(
+            k.expert_format.is_none() || k.expert_format == model.expert_format(),
+            "the MoE kernels were compiled for expert matrices stored as {:?}, but they are \
+             stored as {:?}",
+            k.expert_format,
+            model.expert_format()
+        );
         ensure!(
             opts.max_sequences > 0,
             "the CUDA backend needs at least one sequence slot"
@@ -2211,17 +2245,36 @@ mod tests {
         );
         // A shape the step cannot take compiles nothing in (and the backend refuses it).
         assert!(deltanet_shape_defines(&with_linear_dims(256, 128)).is_empty());
-        let modules: Vec<_> = shape_defines(&c).into_iter().map(|(m, _)| m).collect();
+        let modules: Vec<_> = shape_defines(&c, None)
+            .into_iter()
+            .map(|(m, _)| m)
+            .collect();
         assert_eq!(modules, ["deltanet", "moe"]);
+        let dims = [
+            "MOE_EXPERTS=256",
+            "MOE_TOP_K=8",
+            "MOE_INTERMEDIATE=512",
+            "MOE_SHARED_INTERMEDIATE=512",
+            "MOE_HIDDEN=2048",
+        ];
+        // Experts of mixed formats: the dimensions alone.
+        assert_eq!(moe_shape_defines(&c, None), dims);
+        let q4 = WeightFormat::Affine { bits: 4, group: 64 };
         assert_eq!(
-            moe_shape_defines(&c),
-            [
-                "MOE_EXPERTS=256",
-                "MOE_TOP_K=8",
-                "MOE_INTERMEDIATE=512",
-                "MOE_SHARED_INTERMEDIATE=512",
-                "MOE_HIDDEN=2048",
-            ]
+            moe_shape_defines(&c, Some(q4)),
+            [&dims[..], &["MOE_BITS=4", "MOE_GROUP_SHIFT=6"]].concat()
+        );
+        let q8 = WeightFormat::Affine {
+            bits: 8,
+            group: 128,
+        };
+        assert_eq!(
+            moe_shape_defines(&c, Some(q8))[dims.len()..],
+            ["MOE_BITS=8", "MOE_GROUP_SHIFT=7"]
+        );
+        assert_eq!(
+            moe_shape_defines(&c, Some(WeightFormat::Bf16))[dims.len()..],
+            ["MOE_BITS=16", "MOE_GROUP_SHIFT=0"]
         );
     }
 

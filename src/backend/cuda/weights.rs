@@ -182,16 +182,14 @@ impl DeviceWeight {
             "fused matrices differ in width"
         );
         let rows: usize = parts.iter().map(|m| m.rows).sum();
-        let quantized: Option<Vec<&QuantizedStorage>> = parts
-            .iter()
-            .map(|m| match &m.storage {
-                Storage::Quantized(q) => Some(q),
-                Storage::Dense { .. } => None,
-            })
-            .collect();
-        if let Some(qs) = quantized
-            && qs.iter().all(|q| q.spec == qs[0].spec)
-        {
+        if let WeightFormat::Affine { .. } = upload_format(parts) {
+            let qs: Vec<&QuantizedStorage> = parts
+                .iter()
+                .filter_map(|m| match &m.storage {
+                    Storage::Quantized(q) => Some(q),
+                    Storage::Dense { .. } => None,
+                })
+                .collect();
             return Self::upload_quantized(stream, scales, &qs, rows, cols);
         }
         ensure!(
@@ -281,6 +279,17 @@ impl DeviceWeight {
         self.data.len() + 2 * 2 * self.scales.as_ref().map_or(0, |s| s.len())
     }
 
+    /// How the matrix is stored.
+    pub fn format(&self) -> WeightFormat {
+        match self.bits {
+            16 => WeightFormat::Bf16,
+            bits => WeightFormat::Affine {
+                bits,
+                group: self.group,
+            },
+        }
+    }
+
     pub fn desc(&self, stream: &CudaStream) -> WeightDesc {
         WeightDesc {
             data: ptr(&self.data, stream),
@@ -346,11 +355,34 @@ impl DeviceWeight {
     }
 }
 
-/// How synthetic weights are stored.
+/// How a matrix is stored on the device (and how synthetic weights are made).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightFormat {
     Bf16,
     Affine { bits: usize, group: usize },
+}
+
+/// The format [`DeviceWeight::upload`] stores the row-concatenation of `parts` in: MLX's
+/// quantisation where every part is quantised alike, else bf16.
+pub fn upload_format(parts: &[&Matrix]) -> WeightFormat {
+    let spec = |m: &Matrix| match &m.storage {
+        Storage::Quantized(q) => Some(q.spec),
+        Storage::Dense { .. } => None,
+    };
+    match spec(parts[0]) {
+        Some(first) if parts.iter().all(|m| spec(m) == Some(first)) => WeightFormat::Affine {
+            bits: first.bits as usize,
+            group: first.group_size,
+        },
+        _ => WeightFormat::Bf16,
+    }
+}
+
+/// The format all of `formats` share, if they share one.
+fn common_format(formats: impl IntoIterator<Item = WeightFormat>) -> Option<WeightFormat> {
+    let mut formats = formats.into_iter();
+    let first = formats.next()?;
+    formats.all(|f| f == first).then_some(first)
 }
 
 pub enum DeviceMixer {
@@ -524,6 +556,40 @@ impl DeviceModel {
         })
     }
 
+    /// The one format every layer's expert matrices (routed and shared gate, up and down) are
+    /// stored in, if they share one.
+    pub fn expert_format(&self) -> Option<WeightFormat> {
+        common_format(self.layers.iter().flat_map(|l| {
+            [
+                &l.gate,
+                &l.up,
+                &l.down,
+                &l.shared_gate,
+                &l.shared_up,
+                &l.shared_down,
+            ]
+            .map(DeviceWeight::format)
+        }))
+    }
+
+    /// What [`Self::expert_format`] will be once `model` is uploaded.
+    pub fn expert_format_of_upload(model: &Model) -> Option<WeightFormat> {
+        common_format(model.layers.iter().flat_map(|l| {
+            let m = &l.moe;
+            let gates: Vec<&Matrix> = m.experts.iter().map(|e| &e.gate).collect();
+            let ups: Vec<&Matrix> = m.experts.iter().map(|e| &e.up).collect();
+            let downs: Vec<&Matrix> = m.experts.iter().map(|e| &e.down).collect();
+            [
+                upload_format(&gates),
+                upload_format(&ups),
+                upload_format(&downs),
+                upload_format(&[&m.shared_expert.gate]),
+                upload_format(&[&m.shared_expert.up]),
+                upload_format(&[&m.shared_expert.down]),
+            ]
+        }))
+    }
+
     /// Bytes of weight memory on the device, norm and gate vectors included.
     pub fn bytes(&self) -> usize {
         let mut total = self.embed.bytes() + self.lm_head.bytes() + self.final_norm.num_bytes();
@@ -572,6 +638,47 @@ impl DeviceModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
+    use crate::quant::QuantSpec;
+
+    #[test]
+    fn the_experts_format_is_what_upload_stores_them_in() {
+        let source =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-text");
+        let dense = Model::load(&source).unwrap();
+        // Dense experts upload as bf16.
+        assert_eq!(
+            DeviceModel::expert_format_of_upload(&dense),
+            Some(WeightFormat::Bf16)
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let options = ConvertOptions {
+            spec: QuantSpec::new(4, 64).unwrap(),
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            progress: false,
+        };
+        let out = dir.path().join("q4");
+        convert(&source, &out, &options).unwrap();
+        let mut quantized = Model::load(&out).unwrap();
+        let q4 = WeightFormat::Affine { bits: 4, group: 64 };
+        assert_eq!(DeviceModel::expert_format_of_upload(&quantized), Some(q4));
+        // The routers are 8-bit, but they are not experts.
+        assert_eq!(
+            upload_format(&[&quantized.layers[0].moe.router]),
+            WeightFormat::Affine { bits: 8, group: 64 }
+        );
+        // One dense expert makes its layer's stacked gates bf16: the experts share no format.
+        let last = quantized.layers.len() - 1;
+        quantized.layers[last].moe.experts[1].gate = dense.layers[last].moe.experts[1].gate.clone();
+        let gates: Vec<&Matrix> = quantized.layers[last]
+            .moe
+            .experts
+            .iter()
+            .map(|e| &e.gate)
+            .collect();
+        assert_eq!(upload_format(&gates), WeightFormat::Bf16);
+        assert_eq!(DeviceModel::expert_format_of_upload(&quantized), None);
+    }
 
     #[test]
     fn bf16_values_fit_fp16_up_to_its_largest() {

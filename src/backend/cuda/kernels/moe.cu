@@ -52,6 +52,19 @@ __device__ __forceinline__ Weight moe_weight(Weight w, int rows, int cols) {
     return w;
 }
 
+// An expert matrix (routed or shared gate, up or down) as moe_weight, with the experts' format in
+// place of its own where that is compiled in (MOE_BITS and MOE_GROUP_SHIFT defined: the backend
+// checks that every expert matrix is stored so), so that the other formats' paths drop out of the
+// kernels (fewer instructions, and registers allocated for this path alone).
+__device__ __forceinline__ Weight expert_weight(Weight w, int rows, int cols) {
+    w = moe_weight(w, rows, cols);
+#ifdef MOE_BITS
+    w.bits = MOE_BITS;
+    w.group_shift = MOE_GROUP_SHIFT;
+#endif
+    return w;
+}
+
 // A sort key for (logit, expert): larger logits give larger keys, ties go to the lower id, and
 // every valid key's upper half is above 0 (so padding_key(e) ranks below all of them).
 __device__ __forceinline__ unsigned long long route_key(float v, int e) {
@@ -207,8 +220,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
                                                                     float* act) {
     d = moe_shape(d);
     router = moe_weight(router, d.experts + 1, d.hidden);
-    shared_gate = moe_weight(shared_gate, d.shared_intermediate, d.hidden);
-    shared_up = moe_weight(shared_up, d.shared_intermediate, d.hidden);
+    shared_gate = expert_weight(shared_gate, d.shared_intermediate, d.hidden);
+    shared_up = expert_weight(shared_up, d.shared_intermediate, d.hidden);
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const size_t token = blockIdx.z;
@@ -267,8 +280,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weig
                                                               const float* norm_scale, const float* router_logits,
                                                               float* act, int* ids_out, float* weights_out) {
     d = moe_shape(d);
-    gate = moe_weight(gate, d.experts * d.intermediate, d.hidden);
-    up = moe_weight(up, d.experts * d.intermediate, d.hidden);
+    gate = expert_weight(gate, d.experts * d.intermediate, d.hidden);
+    up = expert_weight(up, d.experts * d.intermediate, d.hidden);
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     __shared__ Routing r;
@@ -333,8 +346,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_tokens(MoeDims 
                                                                      const int* ids, int tokens, int per_block,
                                                                      float* act) {
     d = moe_shape(d);
-    gate = moe_weight(gate, d.experts * d.intermediate, d.hidden);
-    up = moe_weight(up, d.experts * d.intermediate, d.hidden);
+    gate = expert_weight(gate, d.experts * d.intermediate, d.hidden);
+    up = expert_weight(up, d.experts * d.intermediate, d.hidden);
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     __shared__ float x_scales[MOE_TOKENS_PER_BLOCK];
@@ -495,8 +508,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual, int routed_early) {
     d = moe_shape(d);
-    down = moe_weight(down, d.experts * d.hidden, d.intermediate);
-    shared_down = moe_weight(shared_down, d.hidden, d.shared_intermediate);
+    down = expert_weight(down, d.experts * d.hidden, d.intermediate);
+    shared_down = expert_weight(shared_down, d.hidden, d.shared_intermediate);
     TRACE_BLOCK();
     moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
 }
@@ -509,8 +522,8 @@ extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_BATCHED_BLOCKS) moe_d
     MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids_in, const float* weights_in,
     float* residual, int routed_early) {
     d = moe_shape(d);
-    down = moe_weight(down, d.experts * d.hidden, d.intermediate);
-    shared_down = moe_weight(shared_down, d.hidden, d.shared_intermediate);
+    down = expert_weight(down, d.experts * d.hidden, d.intermediate);
+    shared_down = expert_weight(shared_down, d.hidden, d.shared_intermediate);
     TRACE_BLOCK();
     moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
 }
