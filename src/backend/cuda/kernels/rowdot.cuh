@@ -140,7 +140,8 @@ __device__ __forceinline__ void stage_word(int t, bool valid, int cols, const fl
         constexpr int WORDS = BITS == 4 ? 4 : 2;  // words of 8 inputs per chunk
         const int chunks = cols / (8 * WORDS);
         float2* chunk_stats = reinterpret_cast<float2*>(xs + cols / 2);
-        const int c = t / WORDS, k = t % WORDS;
+        // t >= 0: unsigned, so that the division by the power of two is a plain shift.
+        const int c = (unsigned)t / WORDS, k = (unsigned)t % WORDS;
         float sum = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
         float mx = 0.0f;
 #pragma unroll
