@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use crate::checkpoint::{DType, convert_to_f32};
 use crate::config::ModelConfig;
-use crate::model::{Matrix, Mixer, Model, QuantizedStorage, Storage};
+use crate::model::{FeedForward, Matrix, Mixer, Model, MoeWeights, QuantizedStorage, Storage};
 
 /// The 16-bit format of quantised weights' scales and biases on the device. The kernels read one
 /// format, fixed when they are compiled (`LILY_SCALES_F16`), so one model uses one for all its
@@ -418,6 +418,34 @@ pub struct DeviceLayer {
     pub shared_down: DeviceWeight,
 }
 
+impl DeviceLayer {
+    /// The expert matrices: routed gate, up, down, then the shared expert's.
+    pub fn experts(&self) -> [&DeviceWeight; 6] {
+        [
+            &self.gate,
+            &self.up,
+            &self.down,
+            &self.shared_gate,
+            &self.shared_up,
+            &self.shared_down,
+        ]
+    }
+}
+
+/// The host matrices each of a layer's device expert matrices is uploaded from, in
+/// [`DeviceLayer::experts`]' order: the routed experts' stacked by rows, the shared expert's alone.
+fn expert_parts(m: &MoeWeights) -> [Vec<&Matrix>; 6] {
+    let routed = |part: fn(&FeedForward) -> &Matrix| m.experts.iter().map(part).collect();
+    [
+        routed(|e| &e.gate),
+        routed(|e| &e.up),
+        routed(|e| &e.down),
+        vec![&m.shared_expert.gate],
+        vec![&m.shared_expert.up],
+        vec![&m.shared_expert.down],
+    ]
+}
+
 pub struct DeviceModel {
     pub embed: DeviceWeight,
     pub layers: Vec<DeviceLayer>,
@@ -455,20 +483,18 @@ impl DeviceModel {
                 },
             };
             let m = &l.moe;
-            let gates: Vec<&Matrix> = m.experts.iter().map(|e| &e.gate).collect();
-            let ups: Vec<&Matrix> = m.experts.iter().map(|e| &e.up).collect();
-            let downs: Vec<&Matrix> = m.experts.iter().map(|e| &e.down).collect();
+            let [gate, up, down, shared_gate, shared_up, shared_down] = expert_parts(m);
             layers.push(DeviceLayer {
                 input_norm: f32s(&l.input_norm)?,
                 post_norm: f32s(&l.post_attention_norm)?,
                 mixer,
                 router: upload(&[&m.router, &m.shared_expert_gate])?,
-                gate: upload(&gates)?,
-                up: upload(&ups)?,
-                down: upload(&downs)?,
-                shared_gate: upload(&[&m.shared_expert.gate])?,
-                shared_up: upload(&[&m.shared_expert.up])?,
-                shared_down: upload(&[&m.shared_expert.down])?,
+                gate: upload(&gate)?,
+                up: upload(&up)?,
+                down: upload(&down)?,
+                shared_gate: upload(&shared_gate)?,
+                shared_up: upload(&shared_up)?,
+                shared_down: upload(&shared_down)?,
             });
             progress(i + 1);
         }
@@ -559,35 +585,21 @@ impl DeviceModel {
     /// The one format every layer's expert matrices (routed and shared gate, up and down) are
     /// stored in, if they share one.
     pub fn expert_format(&self) -> Option<WeightFormat> {
-        common_format(self.layers.iter().flat_map(|l| {
-            [
-                &l.gate,
-                &l.up,
-                &l.down,
-                &l.shared_gate,
-                &l.shared_up,
-                &l.shared_down,
-            ]
-            .map(DeviceWeight::format)
-        }))
+        common_format(
+            self.layers
+                .iter()
+                .flat_map(|l| l.experts().map(DeviceWeight::format)),
+        )
     }
 
     /// What [`Self::expert_format`] will be once `model` is uploaded.
     pub fn expert_format_of_upload(model: &Model) -> Option<WeightFormat> {
-        common_format(model.layers.iter().flat_map(|l| {
-            let m = &l.moe;
-            let gates: Vec<&Matrix> = m.experts.iter().map(|e| &e.gate).collect();
-            let ups: Vec<&Matrix> = m.experts.iter().map(|e| &e.up).collect();
-            let downs: Vec<&Matrix> = m.experts.iter().map(|e| &e.down).collect();
-            [
-                upload_format(&gates),
-                upload_format(&ups),
-                upload_format(&downs),
-                upload_format(&[&m.shared_expert.gate]),
-                upload_format(&[&m.shared_expert.up]),
-                upload_format(&[&m.shared_expert.down]),
-            ]
-        }))
+        common_format(
+            model
+                .layers
+                .iter()
+                .flat_map(|l| expert_parts(&l.moe).map(|parts| upload_format(&parts))),
+        )
     }
 
     /// Bytes of weight memory on the device, norm and gate vectors included.
@@ -595,18 +607,7 @@ impl DeviceModel {
         let mut total = self.embed.bytes() + self.lm_head.bytes() + self.final_norm.num_bytes();
         for l in &self.layers {
             total += l.input_norm.num_bytes() + l.post_norm.num_bytes();
-            total += [
-                &l.router,
-                &l.gate,
-                &l.up,
-                &l.down,
-                &l.shared_gate,
-                &l.shared_up,
-                &l.shared_down,
-            ]
-            .iter()
-            .map(|w| w.bytes())
-            .sum::<usize>();
+            total += l.router.bytes() + l.experts().iter().map(|w| w.bytes()).sum::<usize>();
             total += match &l.mixer {
                 DeviceMixer::DeltaNet {
                     in_proj,
