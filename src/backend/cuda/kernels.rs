@@ -36,6 +36,20 @@ pub const MODULES: &[(&str, &str)] = &[
     ("gemm", include_str!("kernels/gemm.cu")),
 ];
 
+/// Full-size models of the family whose shapes `check_all` compiles into the modules that take
+/// them: the one lily is built for, and the largest (twice its hidden size, twice the value
+/// heads per key head, 512 experts of which 10 are active, 1,024 intermediates).
+const FULL_SIZE_CONFIGS: &[(&str, &str)] = &[
+    (
+        "Qwen3.6-35B-A3B",
+        include_str!("../../../configs/qwen3.6-35b-a3b.json"),
+    ),
+    (
+        "Qwen3.5-397B-A17B",
+        include_str!("../../../configs/qwen3.5-397b-a17b.json"),
+    ),
+];
+
 /// The `extern "C"` kernels of each module that the backend loads.
 pub fn kernel_names(module: &str) -> &'static [&'static str] {
     match module {
@@ -233,27 +247,30 @@ pub fn check_all() -> Result<()> {
                 .map(move |m| (defines.clone(), variant.to_string(), m))
         })
         .collect();
-    // And with the full-size model's shapes compiled in, as the backend compiles them for it,
-    // for experts of every format (each module once per distinct set of defines).
-    let full_size =
-        ModelConfig::from_json_str(include_str!("../../../configs/qwen3.6-35b-a3b.json"))?;
+    // And with the shapes of full-size models of the family compiled in, as the backend
+    // compiles them for each, for experts of every format (each module once per distinct set
+    // of defines).
     let mut shaped: Vec<(&str, Vec<String>)> = Vec::new();
-    for experts in [
-        WeightFormat::Affine { bits: 4, group: 64 },
-        WeightFormat::Affine { bits: 8, group: 32 },
-        WeightFormat::Bf16,
-    ] {
-        for (module, own) in super::shape_defines(&full_size, Some(experts)) {
-            if shaped.contains(&(module, own.clone())) {
-                continue;
+    for (model, json) in FULL_SIZE_CONFIGS {
+        let config = ModelConfig::from_json_str(json)
+            .with_context(|| format!("the configuration of {model}"))?;
+        for experts in [
+            WeightFormat::Affine { bits: 4, group: 64 },
+            WeightFormat::Affine { bits: 8, group: 32 },
+            WeightFormat::Bf16,
+        ] {
+            for (module, own) in super::shape_defines(&config, Some(experts)) {
+                if shaped.contains(&(module, own.clone())) {
+                    continue;
+                }
+                shaped.push((module, own.clone()));
+                let m = MODULES
+                    .iter()
+                    .find(|(name, _)| *name == module)
+                    .with_context(|| format!("no kernel module `{module}`"))?;
+                let variant = format!(" ({model} shape, experts {experts:?})");
+                jobs.push(([with(&[]), own].concat(), variant, m));
             }
-            shaped.push((module, own.clone()));
-            let m = MODULES
-                .iter()
-                .find(|(name, _)| *name == module)
-                .with_context(|| format!("no kernel module `{module}`"))?;
-            let variant = format!(" (full-size shape, experts {experts:?})");
-            jobs.push(([with(&[]), own].concat(), variant, m));
         }
     }
     // In parallel (NVRTC compiles separate programs concurrently), reported in order.

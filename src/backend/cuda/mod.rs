@@ -2276,6 +2276,25 @@ mod tests {
             moe_shape_defines(&c, Some(WeightFormat::Bf16))[dims.len()..],
             ["MOE_BITS=16", "MOE_GROUP_SHIFT=0"]
         );
+        // The family's largest model: four value heads per key head, 512 experts, top-10.
+        let large = config(include_str!("../../../configs/qwen3.5-397b-a17b.json"));
+        assert_eq!(deltanet_shape_defines(&large)[1], "GDN_VALUE_HEADS=64");
+        assert_eq!(
+            deltanet_shape_defines(&large)[2..],
+            deltanet_shape_defines(&c)[2..]
+        );
+        assert_eq!(
+            moe_shape_defines(&large, Some(q4)),
+            [
+                "MOE_EXPERTS=512",
+                "MOE_TOP_K=10",
+                "MOE_INTERMEDIATE=1024",
+                "MOE_SHARED_INTERMEDIATE=1024",
+                "MOE_HIDDEN=4096",
+                "MOE_BITS=4",
+                "MOE_GROUP_SHIFT=6",
+            ]
+        );
     }
 
     #[test]
