@@ -1,0 +1,90 @@
+"""scripts/ab_decode.sh against a stand-in for `lily bench` that prints decode lines as lily does
+(its rate chosen by the environment the variant's command sets) and records the order it ran in."""
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "ab_decode.sh"
+
+FAKE = """#!/usr/bin/env bash
+echo "$LABEL $*" >> "$ORDER"
+echo "model              synthetic"
+echo "decode             ${RATE}.0 tok/s at ~4160 context (1.300 ms/token)"
+echo "decode traffic     1.877 GB/token, 1450 GB/s achieved = 34.1% of copy bandwidth (limit 2261 tok/s)"
+case " $* " in *" --batch 8 "*) echo "decode batch 8     $((RATE * 2)).5 tok/s in all, 246.5 per sequence";; esac
+exit "${FAIL:-0}"
+"""
+
+
+def run(tmp_path, *args):
+    fake = tmp_path / "lily"
+    fake.write_text(FAKE)
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    order = tmp_path / "order.txt"
+    env = dict(os.environ, ORDER=str(order))
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "-l", str(tmp_path / "logs"), *[a.replace("LILY", str(fake)) for a in args]],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    runs = order.read_text().splitlines() if order.exists() else []
+    return out, runs
+
+
+def summary(stdout):
+    """{(variant, decode kind): (runs, mean, lowest, highest)} from the closing table."""
+    rows = {}
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("variant"))
+    for line in lines[start + 1 :]:
+        parts = line.split()
+        kind = " ".join(parts[1:-4])
+        rows[(parts[0], kind)] = (int(parts[-4]), *map(float, parts[-3:]))
+    return rows
+
+
+def test_variants_alternate_and_are_summarised(tmp_path):
+    out, runs = run(
+        tmp_path,
+        "-r",
+        "3",
+        "old=env LABEL=old RATE=700 LILY",
+        "new=env LABEL=new RATE=770 LILY",
+        "--",
+        "--synthetic",
+        "--batch",
+        "8",
+    )
+    assert out.returncode == 0, out.stderr
+    # A warm-up each, then rounds in alternating order, every run with `bench` and the arguments.
+    assert [r.split()[0] for r in runs] == ["old", "new", "old", "new", "new", "old", "old", "new"]
+    assert all(r.split()[1:] == ["bench", "--synthetic", "--batch", "8"] for r in runs)
+    rows = summary(out.stdout)
+    # The traffic line's "limit ... tok/s" is not a decode rate.
+    assert rows == {
+        ("old", "one sequence"): (3, 700.0, 700.0, 700.0),
+        ("old", "batch 8"): (3, 1400.5, 1400.5, 1400.5),
+        ("new", "one sequence"): (3, 770.0, 770.0, 770.0),
+        ("new", "batch 8"): (3, 1540.5, 1540.5, 1540.5),
+    }
+
+
+def test_default_bench_arguments_and_a_failing_variant(tmp_path):
+    out, runs = run(tmp_path, "-r", "1", "ok=env LABEL=ok RATE=700 LILY", "bad=env LABEL=bad RATE=1 FAIL=3 LILY")
+    assert out.returncode == 1
+    assert "FAILED bad-1" in out.stdout and "FAILED warm-up of bad" in out.stdout
+    assert runs[0].split()[1:] == ["bench", "--synthetic", "--quant", "q4", "--prompt", "4096", "--gen", "64"]
+    # The failed runs count for nothing.
+    assert summary(out.stdout) == {("ok", "one sequence"): (1, 700.0, 700.0, 700.0)}
+
+
+def test_bad_usage_is_refused(tmp_path):
+    for args in (["-r", "0", "a=LILY"], ["no-label"], []):
+        out, runs = run(tmp_path, *args)
+        assert out.returncode == 2, args
+        assert out.stderr.startswith("ab_decode.sh:"), args
+        assert runs == []
