@@ -20,6 +20,8 @@ const TRACE_WARMUP: usize = 8;
 /// What to benchmark.
 pub struct BenchArgs {
     pub model: Option<std::path::PathBuf>,
+    /// A `config.json` whose shapes synthetic weights take instead of Qwen3.6-35B-A3B's.
+    pub config: Option<std::path::PathBuf>,
     pub format: WeightFormat,
     pub prompt: usize,
     pub generate: usize,
@@ -100,6 +102,22 @@ fn batched_decode(
     })
 }
 
+/// The configuration synthetic weights take, and what to call it: `path`'s, else
+/// Qwen3.6-35B-A3B's.
+fn synthetic_config(path: Option<&std::path::Path>) -> Result<(ModelConfig, String)> {
+    let Some(path) = path else {
+        return Ok((
+            ModelConfig::from_json_str(FULL_SIZE_CONFIG)?,
+            "Qwen3.6-35B-A3B".to_string(),
+        ));
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let config =
+        ModelConfig::from_json_str(&text).with_context(|| format!("invalid {}", path.display()))?;
+    Ok((config, format!("model of {}", path.display())))
+}
+
 /// Runs the benchmark and prints a report (human-readable lines, then one JSON line).
 pub fn run(args: &BenchArgs) -> Result<()> {
     ensure!(
@@ -124,10 +142,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             dir.display().to_string(),
         ),
         None => {
-            let config = ModelConfig::from_json_str(FULL_SIZE_CONFIG)?;
+            let (config, name) = synthetic_config(args.config.as_deref())?;
             (
                 CudaBackend::synthetic(&config, args.format, opts)?,
-                format!("synthetic Qwen3.6-35B-A3B, {:?}", args.format),
+                format!("synthetic {name}, {:?}", args.format),
             )
         }
     };
@@ -397,6 +415,33 @@ pub fn prefill_flops(c: &ModelConfig, tokens: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn synthetic_weights_take_the_given_configuration() {
+        let (default, name) = synthetic_config(None).unwrap();
+        assert_eq!(
+            (default.hidden_size, name.as_str()),
+            (2048, "Qwen3.6-35B-A3B")
+        );
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/qwen3.5-397b-a17b.json"
+        );
+        let (large, name) = synthetic_config(Some(std::path::Path::new(path))).unwrap();
+        assert_eq!((large.hidden_size, large.num_experts), (4096, 512));
+        assert!(name.ends_with("qwen3.5-397b-a17b.json"), "{name}");
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nowhere.json");
+        let err = format!("{:#}", synthetic_config(Some(&missing)).unwrap_err());
+        assert!(err.contains("nowhere.json"), "{err}");
+        let bad = dir.path().join("bad.json");
+        std::fs::write(&bad, r#"{"model_type": "llama"}"#).unwrap();
+        let err = format!("{:#}", synthetic_config(Some(&bad)).unwrap_err());
+        assert!(
+            err.contains("bad.json") && err.contains("model_type"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn prefill_work_of_the_full_model_is_its_active_weights_plus_attention() {

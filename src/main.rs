@@ -71,6 +71,10 @@ enum Command {
         /// Random full-size Qwen3.6-35B-A3B weights generated on the GPU (no disk).
         #[arg(long)]
         synthetic: bool,
+        /// With --synthetic: the shapes of this config.json (another model of the family, or
+        /// one with fewer layers) instead of Qwen3.6-35B-A3B's.
+        #[arg(long, requires = "synthetic")]
+        config: Option<PathBuf>,
         /// Weight format of synthetic weights.
         #[arg(long, value_enum, default_value_t = Quant::Q4)]
         quant: Quant,
@@ -387,6 +391,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             model,
             synthetic,
+            config,
             quant,
             prompt,
             generate,
@@ -409,6 +414,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             lily::bench::run(&lily::bench::BenchArgs {
                 model,
+                config,
                 format,
                 prompt,
                 generate,

@@ -927,7 +927,8 @@ impl CudaBackend {
         // The synthetic weights' scales are generated as bf16.
         let scales = ScaleFormat::Bf16;
         let (ctx, stream, k, fill) = Self::init(config, scales, Some(format))?;
-        let weights = DeviceModel::synthetic(&stream, &fill, config, format)?;
+        let weights = DeviceModel::synthetic(&stream, &fill, config, format)
+            .context("generating the synthetic weights on the GPU")?;
         stream.synchronize()?;
         Self::assemble(config.clone(), ctx, stream, k, weights, scales, opts)
     }
