@@ -9,18 +9,18 @@
 use anyhow::{Context, Result, ensure};
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use crate::config::ModelConfig;
-
 use super::gemm::on_tensor_cores;
 use super::prefill::GroupedExperts;
+use super::shapes::{
+    ARGMAX_BLOCKS, ATTENTION_SPLITS, ATTENTION_WARPS, AttentionDims, COMBINE_DIMS, COMBINE_PARTS,
+    DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetShape, GATE_UP_ROWS_PER_WARP, MATVEC_THREADS,
+    MoeDims, SAMPLE_THREADS, attention_split_blocks_per_split, attention_split_smem, mma_takes,
+    moe_down_staged_bytes, moe_slot_width, moe_token_blocks, staged_bytes, staged_floats_bits,
+};
 use super::weights::{self, DeviceMixer, ptr};
 use super::{
-    ARGMAX_BLOCKS, ATTENTION_HEADS, ATTENTION_SPLITS, ATTENTION_TILE, ATTENTION_WARPS,
-    AttentionBuffers, AttentionDims, AttentionSeqs, AttentionSplits, BatchTables, COMBINE_DIMS,
-    COMBINE_PARTS, CudaBackend, DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetParams, DeltaNetShape,
-    GATE_UP_ROWS_PER_WARP, MATVEC_THREADS, MmaRows, MoeBuffers, MoeDims, NO_BATCH_CONTEXT,
-    ONE_TOKEN, SAMPLE_THREADS, Slot, StepEnd, arg, attention_tile_row, cfg, mma_takes,
-    moe_down_staged_bytes, moe_slot_width, moe_token_blocks, staged_bytes, staged_floats_bits,
+    AttentionBuffers, AttentionSeqs, AttentionSplits, BatchTables, CudaBackend, DeltaNetParams,
+    MmaRows, MoeBuffers, NO_BATCH_CONTEXT, ONE_TOKEN, Slot, StepEnd, arg, cfg,
 };
 
 /// Sequences from which a batched decode step's routed experts take prefill's grouped
@@ -784,35 +784,4 @@ fn experts_group(layer: &weights::DeviceLayer) -> bool {
             .iter()
             .all(|w| w.bits == bits && on_tensor_cores(w))
         && mma_takes(sd.bits, sd.group, sd.cols)
-}
-
-/// Blocks of `attention_split` per context split: each KV head's query heads in tiles of
-/// ATTENTION_HEADS.
-pub(super) fn attention_split_blocks_per_split(c: &ModelConfig) -> usize {
-    c.num_key_value_heads
-        * (c.num_attention_heads / c.num_key_value_heads).div_ceil(ATTENTION_HEADS)
-}
-
-/// Dynamic shared memory of `attention_split`: per warp a key and a value tile of ATTENTION_TILE
-/// rows (`attention_tile_row` bf16 each).
-pub(super) fn attention_split_smem(head_dim: usize) -> u32 {
-    (ATTENTION_WARPS * 2 * ATTENTION_TILE * attention_tile_row(head_dim) * 2) as u32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::MAX_DYNAMIC_SHARED_BYTES;
-    use super::*;
-
-    #[test]
-    fn attention_split_tiles_fit_a_block_on_an_sm() {
-        let full = attention_split_smem(256) as usize;
-        assert_eq!(full, 8 * 2 * 16 * 264 * 2);
-        assert!(full <= MAX_DYNAMIC_SHARED_BYTES);
-        // An H200 SM has 228 KB of shared memory, 1 KB of it reserved per block, and the
-        // kernel's static arrays take 2 KB.
-        assert!(full + 1024 + 2048 <= 228 * 1024);
-        assert_eq!(attention_split_smem(96), attention_split_smem(128));
-        assert_eq!(attention_split_smem(32), 8 * 2 * 16 * 40 * 2);
-    }
 }

@@ -259,7 +259,7 @@ pub fn check_all() -> Result<()> {
             WeightFormat::Affine { bits: 8, group: 32 },
             WeightFormat::Bf16,
         ] {
-            for (module, own) in super::shape_defines(&config, Some(experts)) {
+            for (module, own) in super::shapes::shape_defines(&config, Some(experts)) {
                 if shaped.contains(&(module, own.clone())) {
                     continue;
                 }

@@ -885,7 +885,7 @@ impl CudaBackend {
             .attention_split
             .occupancy_max_active_blocks_per_multiprocessor(
                 (ATTENTION_WARPS * 32) as u32,
-                decode::attention_split_smem(c.head_dim) as usize,
+                attention_split_smem(c.head_dim) as usize,
                 None,
             )
             .context("occupancy of attention_split")?;

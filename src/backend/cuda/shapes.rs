@@ -5,7 +5,6 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::decode;
 use super::weights::WeightFormat;
 use crate::config::ModelConfig;
 
@@ -237,13 +236,26 @@ impl MoeDims {
     }
 }
 
+/// Blocks of `attention_split` per context split: each KV head's query heads in tiles of
+/// ATTENTION_HEADS.
+pub(super) fn attention_split_blocks_per_split(c: &ModelConfig) -> usize {
+    c.num_key_value_heads
+        * (c.num_attention_heads / c.num_key_value_heads).div_ceil(ATTENTION_HEADS)
+}
+
+/// Dynamic shared memory of `attention_split`: per warp a key and a value tile of ATTENTION_TILE
+/// rows (`attention_tile_row` bf16 each).
+pub(super) fn attention_split_smem(head_dim: usize) -> u32 {
+    (ATTENTION_WARPS * 2 * ATTENTION_TILE * attention_tile_row(head_dim) * 2) as u32
+}
+
 /// Most context splits of attention decode on a GPU of `num_sms` SMs that each hold `per_sm`
 /// `attention_split` blocks (the occupancy the driver reports): as many splits as leave every
 /// block resident at once (each KV head's query tiles take a block per split), so that a long
 /// context's splits run in one wave of blocks, each taking more of the context's tiles, rather
 /// than in two; at most ATTENTION_SPLITS.
 pub(super) fn decode_attention_splits(c: &ModelConfig, num_sms: usize, per_sm: usize) -> usize {
-    let blocks = decode::attention_split_blocks_per_split(c).max(1);
+    let blocks = attention_split_blocks_per_split(c).max(1);
     (num_sms * per_sm.max(1) / blocks).clamp(1, ATTENTION_SPLITS)
 }
 
@@ -620,5 +632,17 @@ mod tests {
         // float4s, after 64 floats of scratch.
         assert_eq!(staged_bytes(&[2048]), (64 + 2048 + 260) * 4);
         assert_eq!(staged_bytes(&[512, 512]), staged_bytes(&[512]) * 2 - 64 * 4);
+    }
+
+    #[test]
+    fn attention_split_tiles_fit_a_block_on_an_sm() {
+        let full = attention_split_smem(256) as usize;
+        assert_eq!(full, 8 * 2 * 16 * 264 * 2);
+        assert!(full <= MAX_DYNAMIC_SHARED_BYTES);
+        // An H200 SM has 228 KB of shared memory, 1 KB of it reserved per block, and the
+        // kernel's static arrays take 2 KB.
+        assert!(full + 1024 + 2048 <= 228 * 1024);
+        assert_eq!(attention_split_smem(96), attention_split_smem(128));
+        assert_eq!(attention_split_smem(32), 8 * 2 * 16 * 40 * 2);
     }
 }

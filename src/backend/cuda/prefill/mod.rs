@@ -18,12 +18,14 @@ use deltanet::GDN_CHUNK;
 use moe::{ROUTER_SPLITS, max_group_tiles};
 
 use super::gemm::{GEMM_GROUP_TOKENS, on_tensor_cores};
+use super::shapes::{
+    AttentionDims, DeltaNetDims, DeltaNetShape, attention_tile_row, moe_slot_width,
+};
 use super::timing::PrefillPart;
 use super::weights::{DeviceMixer, DeviceWeight, ptr};
 use super::{
-    AttentionBuffers, AttentionDims, CudaBackend, CudaState, DeltaNetDims, DeltaNetParams,
-    DeltaNetShape, MmaStaging, NO_BATCH_CONTEXT, NO_TABLE, StepSeqs, arg, attention_tile_row, cfg,
-    moe_slot_width,
+    AttentionBuffers, CudaBackend, CudaState, DeltaNetParams, MmaStaging, NO_BATCH_CONTEXT,
+    NO_TABLE, StepSeqs, arg, cfg,
 };
 use crate::backend::LogitsFor;
 use crate::config::ModelConfig;
@@ -507,7 +509,7 @@ fn attention_prefill_smem(head_dim: usize) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::MAX_DYNAMIC_SHARED_BYTES;
+    use super::super::shapes::MAX_DYNAMIC_SHARED_BYTES;
     use super::*;
 
     #[test]

@@ -11,8 +11,9 @@ use crate::backend::cuda::gemm::{
     GEMM_GROUP_TOKENS, GEMM_GROUP_TOKENS_WIDE, GEMM_ROWS, GEMM_THREADS, gemm_smem_bytes,
     on_tensor_cores,
 };
+use crate::backend::cuda::shapes::MoeDims;
 use crate::backend::cuda::weights::{DeviceLayer, DeviceWeight, ptr};
-use crate::backend::cuda::{CudaBackend, MoeBuffers, MoeDims, arg, cfg};
+use crate::backend::cuda::{CudaBackend, MoeBuffers, arg, cfg};
 use crate::config::ModelConfig;
 
 /// Splits of k for the router's product over a chunk: its few rows make few blocks, each with
