@@ -7,7 +7,8 @@
 #   scripts/ab_decode.sh [-r ROUNDS] [-l LOG_DIR] LABEL=COMMAND... [-- BENCH_ARGS...]
 # COMMAND starts lily (a binary, optionally behind `env NAME=VALUE ...`, as the shell reads it); it
 # is given `bench` and BENCH_ARGS (default: --synthetic --quant q4 --prompt 4096 --gen 64).
-# Prints each run's decode lines, then per variant and line the mean, lowest and highest tok/s.
+# Prints each run's decode lines, then per variant the mean, lowest and highest tok/s (and, with
+# --critical-path in BENCH_ARGS, of the replayed step's time and each kernel's time per launch).
 # Example (a build of HEAD against one of an earlier commit, and a kernel define):
 #   scripts/ab_decode.sh -r 2 old=target/gpu-old/lily new=target/gpu/lily \
 #       'ahead=env LILY_DEFINES="MOE_DOWN_STAGE_AHEAD=2" target/gpu/lily' -- --synthetic --gen 64
@@ -73,23 +74,30 @@ for ((r = 1; r <= rounds; r++)); do
             status=1
             continue
         fi
-        # `decode  ...: X tok/s` and `decode batch N  X tok/s in all`, as lily bench prints them.
-        grep -E "^decode +[0-9.]+ tok/s|^decode batch " "$log/$name.log" | while IFS= read -r line; do
-            echo "$name  $line"
-            kind=$(awk '{ print ($2 == "batch") ? "batch " $3 : "one sequence" }' <<<"$line")
-            value=$(grep -oE "[0-9]+(\.[0-9]+)? tok/s" <<<"$line" | head -n 1 | cut -d' ' -f1)
-            printf '%s\t%s\t%s\n' "${labels[$i]}" "$kind" "$value" >>"$results"
-        done
+        grep -E "^decode +[0-9.]+ tok/s|^decode batch [0-9]+ .*tok/s" "$log/$name.log" | sed "s/^/$name  /"
+        # Rates as lily bench prints them (`decode  X tok/s ...`, `decode batch N  X tok/s in
+        # all`), and with --critical-path the one-sequence step's replayed time and each
+        # kernel's microseconds per launch (`  NAME N launches X us Y us each Z%`).
+        awk -v label="${labels[$i]}" '
+            function out(kind, value) { printf "%s\t%s\t%s\n", label, kind, value }
+            /^decode +[0-9.]+ tok\/s/ { out("one sequence", $2); next }
+            /^decode batch [0-9]+ / && /tok\/s/ && !/critical/ { out("batch " $3, $4); next }
+            /^decode critical path, per kernel/ {
+                critical = 1; match($0, /step [0-9.]+ us/)
+                out("step us", substr($0, RSTART + 5, RLENGTH - 8)); next }
+            critical && /^  / { out("us " $1, $6); next }
+            { critical = 0 }
+        ' "$log/$name.log" >>"$results"
     done
 done
 echo
-printf '%-24s %-14s %5s %9s %9s %9s\n' variant decode runs mean lowest highest
+printf '%-24s %-26s %5s %9s %9s %9s\n' variant measure runs mean lowest highest
 awk -F'\t' '
     { key = $1 "\t" $2; if (!(key in n)) order[++keys] = key
       n[key]++; sum[key] += $3
       if (!(key in lo) || $3 < lo[key]) lo[key] = $3
       if (!(key in hi) || $3 > hi[key]) hi[key] = $3 }
     END { for (k = 1; k <= keys; k++) { key = order[k]; split(key, p, "\t")
-          printf "%-24s %-14s %5d %9.1f %9.1f %9.1f\n", p[1], p[2], n[key], sum[key] / n[key], lo[key], hi[key] } }
+          printf "%-24s %-26s %5d %9.2f %9.2f %9.2f\n", p[1], p[2], n[key], sum[key] / n[key], lo[key], hi[key] } }
 ' "$results"
 exit "$status"

@@ -15,6 +15,13 @@ echo "model              synthetic"
 echo "decode             ${RATE}.0 tok/s at ~4160 context (1.300 ms/token)"
 echo "decode traffic     1.877 GB/token, 1450 GB/s achieved = 34.1% of copy bandwidth (limit 2261 tok/s)"
 case " $* " in *" --batch 8 "*) echo "decode batch 8     $((RATE * 2)).5 tok/s in all, 246.5 per sequence";; esac
+case " $* " in *" --critical-path "*)
+    echo "decode critical path, per kernel (step $((RATE + 600)).5 us replayed):"
+    echo "  moe_gate_up              40 launches    238.0 us   5.95 us each  18.5%"
+    echo "  lm_head                   1 launches     79.4 us  $((RATE / 10)).40 us each   6.2%"
+    echo "decode batch 8 critical path, per kernel (step 4000.0 us replayed):"
+    echo "  moe_gate_up              40 launches    480.0 us  12.00 us each  12.0%";;
+esac
 exit "${FAIL:-0}"
 """
 
@@ -58,18 +65,28 @@ def test_variants_alternate_and_are_summarised(tmp_path):
         "--synthetic",
         "--batch",
         "8",
+        "--critical-path",
+        "5",
     )
     assert out.returncode == 0, out.stderr
     # A warm-up each, then rounds in alternating order, every run with `bench` and the arguments.
     assert [r.split()[0] for r in runs] == ["old", "new", "old", "new", "new", "old", "old", "new"]
-    assert all(r.split()[1:] == ["bench", "--synthetic", "--batch", "8"] for r in runs)
+    args = ["bench", "--synthetic", "--batch", "8", "--critical-path", "5"]
+    assert all(r.split()[1:] == args for r in runs)
     rows = summary(out.stdout)
-    # The traffic line's "limit ... tok/s" is not a decode rate.
+    # The traffic line's "limit ... tok/s" is not a decode rate, and the batch's critical path
+    # is not the one sequence's.
     assert rows == {
         ("old", "one sequence"): (3, 700.0, 700.0, 700.0),
         ("old", "batch 8"): (3, 1400.5, 1400.5, 1400.5),
+        ("old", "step us"): (3, 1300.5, 1300.5, 1300.5),
+        ("old", "us moe_gate_up"): (3, 5.95, 5.95, 5.95),
+        ("old", "us lm_head"): (3, 70.4, 70.4, 70.4),
         ("new", "one sequence"): (3, 770.0, 770.0, 770.0),
         ("new", "batch 8"): (3, 1540.5, 1540.5, 1540.5),
+        ("new", "step us"): (3, 1370.5, 1370.5, 1370.5),
+        ("new", "us moe_gate_up"): (3, 5.95, 5.95, 5.95),
+        ("new", "us lm_head"): (3, 77.4, 77.4, 77.4),
     }
 
 
