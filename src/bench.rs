@@ -111,11 +111,10 @@ fn synthetic_config(path: Option<&std::path::Path>) -> Result<(ModelConfig, Stri
             "Qwen3.6-35B-A3B".to_string(),
         ));
     };
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let config =
-        ModelConfig::from_json_str(&text).with_context(|| format!("invalid {}", path.display()))?;
-    Ok((config, format!("model of {}", path.display())))
+    Ok((
+        ModelConfig::from_file(path)?,
+        format!("model of {}", path.display()),
+    ))
 }
 
 /// Runs the benchmark and prints a report (human-readable lines, then one JSON line).

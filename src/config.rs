@@ -115,8 +115,12 @@ fn default_max_positions() -> usize {
 impl ModelConfig {
     /// Reads `DIR/config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
+        Self::from_file(&dir.join("config.json"))
+    }
+
+    /// Reads a `config.json` at `path`; errors name the file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
         Self::from_json_str(&text).with_context(|| format!("invalid {}", path.display()))
     }

@@ -409,8 +409,13 @@ mod tests {
         ModelConfig::from_json_str(text).expect("config parses")
     }
 
+    /// Qwen3.6-35B-A3B's configuration.
+    fn full_size() -> ModelConfig {
+        config(include_str!("../../../configs/qwen3.6-35b-a3b.json"))
+    }
+
     fn with_linear_dims(key_dim: usize, value_dim: usize) -> ModelConfig {
-        let mut c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
+        let mut c = full_size();
         c.linear_key_head_dim = key_dim;
         c.linear_value_head_dim = value_dim;
         c
@@ -427,7 +432,7 @@ mod tests {
         // Not even one fits: one each (the launch then asks for more than the budget).
         assert_eq!(moe_token_blocks(5, 2_000, 1_000), (1, 5));
         // The full-size model's 4-bit staging: 8 tokens in one row of two blocks per SM.
-        let c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
+        let c = full_size();
         let gate_up = 4 * staged_floats_bits(c.hidden_size, 4);
         assert_eq!(gate_up, 4 * (1024 + 128));
         assert_eq!(moe_token_blocks(8, gate_up, 114 * 1024), (8, 1));
@@ -440,7 +445,7 @@ mod tests {
     fn decode_attention_splits_fill_one_wave_of_blocks() {
         // The full-size model on the H200 (132 SMs, one block per SM: 135 KB of tiles and 158
         // registers a thread), 2 KV heads of 8 query heads each: 66 splits, 132 blocks.
-        let c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
+        let c = full_size();
         assert_eq!(decode_attention_splits(&c, 132, 1), 66);
         // 16 query heads per KV head (two tiles of eight), three blocks per SM: 132 * 3 / (2 * 2).
         let mut wide = c.clone();
@@ -476,7 +481,7 @@ mod tests {
 
     #[test]
     fn the_full_size_shapes_are_compiled_into_their_modules() {
-        let c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
+        let c = full_size();
         assert_eq!(
             deltanet_shape_defines(&c),
             [
