@@ -1,23 +1,47 @@
 #!/usr/bin/env bash
-# Builds the CUDA lily binary of the committed tree and of the tree with each given patch applied
-# (one at a time), stripped, into target/variants/NAME/lily: NAME is `base` for the tree itself and
-# the patch's file name without `.patch` for the others. Carry `target/variants` to the GPU
-# machine and compare them there in one call with scripts/ab_decode.sh, e.g.
-#   scripts/build_variants.sh docs/experiments/*.patch
+# Builds the CUDA lily binary of the committed tree and of the tree with each given variant
+# applied (one at a time), stripped, into target/variants/NAME/lily. A variant is a patch file, or
+# several joined by `+` (applied together, in that order); NAME is `base` for the tree itself and
+# the patches' file names without `.patch`, joined by `+`, for the others. Carry `target/variants`
+# to the GPU machine and compare them there in one call with scripts/ab_decode.sh, e.g.
+#   scripts/build_variants.sh docs/experiments/moe-staged-act.patch \
+#       docs/experiments/attention-split-early.patch+docs/experiments/moe-staged-act.patch
 #   scripts/ab_decode.sh -r 3 base=target/variants/base/lily \
-#       staged=target/variants/moe-staged-act/lily
-# Each patch is reverted after its build, also when the build fails.
+#       staged=target/variants/moe-staged-act/lily \
+#       both=target/variants/attention-split-early+moe-staged-act/lily
+# Each variant's patches are reverted after its build, also when the build fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! git diff --quiet HEAD; then
     echo "build_variants.sh: the tree has uncommitted changes; commit or stash them first" >&2
     exit 2
 fi
-for patch in "$@"; do
-    if ! git apply --check "$patch"; then
-        echo "build_variants.sh: $patch does not apply to this tree" >&2
-        exit 2
-    fi
+
+applied=()
+revert() {
+    local i
+    for ((i = ${#applied[@]} - 1; i >= 0; i--)); do git apply -R "${applied[i]}"; done
+    applied=()
+}
+trap revert EXIT
+
+# Applies the variant's patches (recorded in `applied` as they go in) and prints its name.
+apply_variant() {
+    local IFS=+ patch names=()
+    for patch in $1; do
+        if ! git apply "$patch"; then
+            echo "build_variants.sh: $patch does not apply (variant $1)" >&2
+            return 2
+        fi
+        applied+=("$patch")
+        names+=("$(basename "$patch" .patch)")
+    done
+    VARIANT_NAME="${names[*]}"
+}
+
+for variant in "$@"; do
+    apply_variant "$variant"
+    revert
 done
 
 build() {
@@ -28,11 +52,9 @@ build() {
 }
 
 build base
-for patch in "$@"; do
-    git apply "$patch"
-    trap 'git apply -R "$patch"' EXIT
-    build "$(basename "$patch" .patch)"
-    git apply -R "$patch"
-    trap - EXIT
+for variant in "$@"; do
+    apply_variant "$variant"
+    build "$VARIANT_NAME"
+    revert
 done
 ls -la target/variants/*/lily
