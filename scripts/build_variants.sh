@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds (into a fresh target/variants) the CUDA lily binary of the committed tree and of the tree with each given variant
-# applied (one at a time), stripped, into target/variants/NAME/lily. A variant is a patch file, or
+# Builds the CUDA lily binary of the committed tree and of the tree with each given variant
+# applied (one at a time), stripped, into a fresh target/variants/NAME/lily. A variant is a patch file, or
 # several joined by `+` (applied together, in that order); NAME is `base` for the tree itself and
 # the patches' file names without `.patch`, joined by `+`, for the others. Carry `target/variants`
 # to the GPU machine and compare them there in one call with scripts/ab_decode.sh, e.g.
