@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the CUDA lily binary of the committed tree and of the tree with each given variant
-# applied (one at a time), stripped, into a fresh target/variants/NAME/lily. A variant is a patch file, or
-# several joined by `+` (applied together, in that order); NAME is `base` for the tree itself and
-# the patches' file names without `.patch`, joined by `+`, for the others. Carry `target/variants`
-# to the GPU machine and compare them there in one call with scripts/ab_decode.sh, e.g.
+# applied (one at a time), stripped, into a fresh target/variants/NAME/lily. A variant is a
+# patch file, or several joined by `+` (applied together, in that order); NAME is `base` for the
+# tree itself and the patches' file names without `.patch`, joined by `+`, for the others.
+# Carry `target/variants` to the GPU machine and compare them there in one call with
+# scripts/ab_decode.sh, e.g.
 #   scripts/build_variants.sh docs/experiments/moe-staged-act.patch \
 #       docs/experiments/attention-split-early.patch+docs/experiments/moe-staged-act.patch
 #   scripts/ab_decode.sh -r 3 base=target/variants/base/lily \
