@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds the CUDA lily binary of the committed tree and of the tree with each given variant
-# applied (one at a time), stripped, into a fresh target/variants/NAME/lily. A variant is a
+# Builds the CUDA lily binary and the CUDA test binary of the committed tree and of the tree
+# with each given variant applied (one at a time), stripped, into a fresh
+# target/variants/NAME/{lily,cuda-tests} (scripts/gpu_check.sh runs a variant's with
+# LILY_GPU_DIR=target/variants/NAME). A variant is a
 # patch file, or several joined by `+` (applied together, in that order); NAME is `base` for the
 # tree itself and the patches' file names without `.patch`, joined by `+`, for the others.
 # Carry `target/variants` to the GPU machine and compare them there in one call with
@@ -11,9 +13,9 @@
 #       staged=target/variants/moe-staged-act/lily \
 #       both=target/variants/attention-split-early+moe-staged-act/lily
 # Each variant's patches are reverted after its build, also when the build fails.
-# With --gzip first, each binary is stored as target/variants/NAME/lily.gz instead (~4.4 MB
-# against ~11.5: a call's 64 MiB carry then holds a dozen variants and the test binaries);
-# unpack them on the GPU machine with `gunzip target/variants/*/lily.gz` before running.
+# With --gzip first, the binaries are stored gzipped (lily.gz ~4.4 MB against ~11.5, so a
+# call's 64 MiB carry holds about ten variants); unpack them on the GPU machine with
+# `gunzip target/variants/*/*.gz` before running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 gzip_binaries=0
@@ -55,12 +57,16 @@ done
 
 build() {
     cargo build --release --features cuda --target-dir target/cuda
+    local tests
+    tests="$(cargo test --release --features cuda --target-dir target/cuda --test cuda --no-run \
+        --message-format=json 2>/dev/null | grep '"kind":\["test"\]' |
+        grep -o '"executable":"[^"]*"' | tail -1 | cut -d'"' -f4)"
     local dir="target/variants/$1"
     mkdir -p "$dir"
-    rm -f "$dir/lily" "$dir/lily.gz"
     cp target/cuda/release/lily "$dir/lily"
-    strip "$dir/lily"
-    if [ "$gzip_binaries" = 1 ]; then gzip -9 "$dir/lily"; fi
+    cp "$tests" "$dir/cuda-tests"
+    strip "$dir/lily" "$dir/cuda-tests"
+    if [ "$gzip_binaries" = 1 ]; then gzip -9 "$dir/lily" "$dir/cuda-tests"; fi
 }
 
 # Only this run's variants, so that carrying the folder carries nothing stale.
@@ -71,4 +77,4 @@ for variant in "$@"; do
     build "$VARIANT_NAME"
     revert
 done
-ls -la target/variants/*/lily*
+ls -la target/variants/*/*

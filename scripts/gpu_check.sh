@@ -16,12 +16,15 @@
 #   cargo build --release --features cuda --target-dir target/cuda
 #   cargo test --release --features cuda --target-dir target/cuda --test cuda --no-run
 #   scripts/stage_gpu_binaries.sh        # copies both, stripped, into target/gpu/
-# then: scripts/gpu_check.sh [LOG_DIR]   (LILY_STEP_TIMEOUT: seconds per step, 600 by default)
+# then: scripts/gpu_check.sh [LOG_DIR]   (LILY_STEP_TIMEOUT: seconds per step, 600 by default;
+# LILY_GPU_DIR: where the two binaries are, target/gpu by default, e.g. a build_variants.sh
+# variant's folder)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log="${1:-/tmp/lily-gpu-check}"
 mkdir -p "$log"
-lily=target/gpu/lily
+bin="${LILY_GPU_DIR:-target/gpu}"
+lily="$bin/lily"
 status=0
 # Each step under a time limit: a hung kernel fails its step instead of holding the GPU machine.
 limit="${LILY_STEP_TIMEOUT:-600}"
@@ -41,7 +44,7 @@ step() {
 }
 
 step kernels "$lily" kernels --check
-step cuda-tests target/gpu/cuda-tests --test-threads=1 --nocapture
+step cuda-tests "$bin/cuda-tests" --test-threads=1 --nocapture
 fixture=tests/fixtures/tiny-wrapper
 step sanitizer-greedy compute-sanitizer --error-exitcode 1 --tool memcheck \
     "$lily" generate --model "$fixture" --prompt-ids 1,2,3,4,5 --max-tokens 8 --json --device cuda
@@ -56,7 +59,7 @@ step sanitizer-long-prompt compute-sanitizer --error-exitcode 1 --tool memcheck 
 # Batched decode steps (bf16 batches on the per-sequence kernels, quantised ones through
 # matvec_mma) and single-token prefill chunks.
 step sanitizer-batched compute-sanitizer --error-exitcode 1 --tool memcheck \
-    target/gpu/cuda-tests --test-threads=1 batched_decode quantized_batches small_batches single_token
+    "$bin/cuda-tests" --test-threads=1 batched_decode quantized_batches small_batches single_token
 # Several processes on the GPU at once (greedy and sampled): each must match the run alone.
 step side-by-side python3 scripts/gpu_side_by_side.py --lily "$lily" --model "$q4"
 step transformers python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-trunc
