@@ -614,7 +614,18 @@ fn random_shape_matches_the_cpu(
     offset: u32,
     label: &str,
 ) {
-    let config = ModelConfig::from_json_str(&demo_config_with(fields).to_string()).unwrap();
+    config_matches_the_cpu(&demo_config_with(fields), tokens, stride, offset, label);
+}
+
+/// As `random_shape_matches_the_cpu`, for the whole `config.json` given.
+fn config_matches_the_cpu(
+    config: &serde_json::Value,
+    tokens: u32,
+    stride: u32,
+    offset: u32,
+    label: &str,
+) {
+    let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
     let model = Arc::new(random_model(config).unwrap());
     let gpu = cuda(&model, 1);
     let vocab = model.config.vocab_size as u32;
@@ -664,6 +675,78 @@ fn the_larger_siblings_proportions_match_the_cpu() {
         3,
         "value heads 4x key heads, 16 query heads per KV head, top-10 of 64",
     );
+}
+
+/// Layouts of the architecture other than the 35B's (as the CPU backend is checked against
+/// MLX-LM on in tests/python/test_mlx_shapes.py): DeltaNet-only and attention-only models, a
+/// value head per key head and four, key and value head dims that differ either way, 2- and
+/// 3-tap convolutions, head_dim 64 and 128 with half and full rotary, one query head per KV
+/// head, top-1 of 4 experts with a shared expert twice their width, a hidden size of 192 and
+/// tied embeddings. A 70-token prompt (more than one 64-token DeltaNet chunk) at every position,
+/// then greedy decode, against the CPU on random weights of each.
+#[test]
+fn other_layouts_of_the_architecture_match_the_cpu() {
+    let rope = |fraction: f64| serde_json::json!({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": fraction});
+    let layouts = [
+        (
+            "DeltaNet only, a value head per key head, key dim 64 over value dim 32, 2-tap conv",
+            serde_json::json!({
+                "num_hidden_layers": 3,
+                "layer_types": ["linear_attention", "linear_attention", "linear_attention"],
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 2,
+                "linear_key_head_dim": 64,
+                "linear_value_head_dim": 32,
+                "linear_conv_kernel_dim": 2,
+            }),
+        ),
+        (
+            "attention only, head_dim 128, full rotary, 4 query heads per KV head",
+            serde_json::json!({
+                "num_hidden_layers": 2,
+                "layer_types": ["full_attention", "full_attention"],
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "head_dim": 128,
+                "rope_parameters": rope(1.0),
+            }),
+        ),
+        (
+            "4 value heads of 128 per key head of 32, 3-tap conv, head_dim 64, half rotary, \
+             one query head per KV head",
+            serde_json::json!({
+                "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                "linear_num_key_heads": 1,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 32,
+                "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 3,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+                "rope_parameters": rope(0.5),
+                "rms_norm_eps": 1e-5,
+            }),
+        ),
+        (
+            "hidden 192, top-1 of 4 experts, shared expert of 128 beside experts of 64, tied embeddings",
+            serde_json::json!({
+                "hidden_size": 192,
+                "num_experts": 4,
+                "num_experts_per_tok": 1,
+                "moe_intermediate_size": 64,
+                "shared_expert_intermediate_size": 128,
+                "tie_word_embeddings": true,
+            }),
+        ),
+    ];
+    for (label, fields) in layouts {
+        let mut config = demo_config_json();
+        for (name, value) in fields.as_object().unwrap() {
+            config[name] = value.clone();
+        }
+        config_matches_the_cpu(&config, 70, 29, 5, label);
+    }
 }
 
 /// The demo config with `fields` set, bf16 (converted to bf16 scales and biases, as real
