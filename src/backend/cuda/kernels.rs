@@ -162,6 +162,18 @@ fn missing_kernels(name: &str, ptx: &str) -> Vec<&'static str> {
         .collect()
 }
 
+/// Fails, naming what is missing, where NVRTC cannot be loaded (cudarc would panic).
+fn require_nvrtc() -> Result<()> {
+    // SAFETY: only opens (and closes) the shared library by its possible names.
+    ensure!(
+        unsafe { cudarc::nvrtc::sys::is_culib_present() },
+        "NVRTC (libnvrtc.so), which compiles lily's CUDA kernels, is not on the library path: \
+         install the CUDA toolkit or `pip install nvidia-cuda-nvrtc`, and add its lib folder to \
+         LD_LIBRARY_PATH"
+    );
+    Ok(())
+}
+
 /// Compiles one module (or takes it from the cache), with `defines` (`NAME=VALUE`) set.
 pub fn compile(name: &str, src: &str, use_cache: bool, defines: &[String]) -> Result<Ptx> {
     let source = full_source(src);
@@ -176,6 +188,7 @@ pub fn compile(name: &str, src: &str, use_cache: bool, defines: &[String]) -> Re
     {
         return Ok(Ptx::from_src(ptx));
     }
+    require_nvrtc()?;
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(&source, opts).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => {
             anyhow::anyhow!(
@@ -222,6 +235,7 @@ pub fn experiment_defines() -> Vec<String> {
 
 /// `lily kernels --check`: compiles every module without the cache; reports and fails on errors.
 pub fn check_all() -> Result<()> {
+    require_nvrtc()?;
     let mut failed = Vec::new();
     // Every module as loaded (scales and biases in bf16, and in fp16), and with the block
     // records of `lily bench --trace` compiled in (at a made-up address: nothing runs); each

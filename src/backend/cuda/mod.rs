@@ -644,6 +644,13 @@ impl CudaBackend {
         scales: ScaleFormat,
         experts: Option<WeightFormat>,
     ) -> Result<(Arc<CudaContext>, Arc<CudaStream>, Kernels, Fill)> {
+        // cudarc panics where it cannot load the driver; say what is missing instead.
+        // SAFETY: only opens (and closes) the shared library by its possible names.
+        ensure!(
+            unsafe { cudarc::driver::sys::is_culib_present() },
+            "no NVIDIA driver found (libcuda.so is not on the library path): the CUDA backend \
+             needs an NVIDIA GPU and its driver; run with `--device cpu` instead"
+        );
         let ctx = CudaContext::new(0).context("no CUDA device (is the NVIDIA driver loaded?)")?;
         // SAFETY: lily uses one stream, so cudarc's cross-stream event tracking is not needed
         // (and its events would get in the way of graph capture).
@@ -1784,6 +1791,32 @@ impl MmaStaging {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Without the NVIDIA driver (the CPU-only machines CI runs on), starting the backend is an
+    /// error that says so rather than cudarc's panic. Where the driver is installed there is
+    /// nothing to check here.
+    #[test]
+    fn a_missing_driver_is_an_error_not_a_panic() {
+        // SAFETY: only opens (and closes) the shared library by its possible names.
+        if unsafe { cudarc::driver::sys::is_culib_present() } {
+            return;
+        }
+        let config = crate::model::demo::demo_config_json().to_string();
+        let config = ModelConfig::from_json_str(&config).unwrap();
+        let opts = CudaOptions {
+            max_context: 64,
+            max_sequences: 1,
+            use_graphs: true,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        };
+        let Err(err) = CudaBackend::synthetic(&config, WeightFormat::Bf16, opts) else {
+            panic!("a CUDA backend started without the driver");
+        };
+        assert!(
+            format!("{err:#}").contains("no NVIDIA driver found"),
+            "{err:#}"
+        );
+    }
 
     #[test]
     fn tensor_core_mat_vec_staging_holds_every_block_of_tokens() {
