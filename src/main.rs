@@ -148,10 +148,10 @@ struct GenerateArgs {
     /// Wrap the prompt as a user message in the checkpoint's chat template.
     #[arg(long, requires = "prompt")]
     chat: bool,
-    #[arg(long, default_value_t = 256)]
-    max_tokens: usize,
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    max_tokens: u32,
     /// 0 picks the most likely token (greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
@@ -214,8 +214,8 @@ struct DeviceArgs {
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     /// Longest sequence (prompt + output) the GPU holds; `serve` refuses longer requests.
-    #[arg(long, default_value_t = 32768)]
-    context: usize,
+    #[arg(long, default_value_t = 32768, value_parser = clap::value_parser!(u32).range(2..))]
+    context: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -302,7 +302,7 @@ macro_rules! with_backend {
 macro_rules! cuda_backend {
     ($model:expr, $device:expr, |$backend:ident| $body:expr) => {{
         let opts = lily::backend::cuda::CudaOptions {
-            max_context: $device.context,
+            max_context: $device.context as usize,
             max_sequences: 1,
             use_graphs: true,
             prefill_chunk: lily::backend::cuda::DEFAULT_PREFILL_CHUNK,
@@ -472,7 +472,7 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
         (None, None) => anyhow::bail!("give --prompt or --prompt-ids"),
     };
     let params = GenerationParams {
-        max_tokens: args.max_tokens,
+        max_tokens: args.max_tokens as usize,
         sampling: SamplingParams {
             temperature: args.temperature,
             top_p: args.top_p,
@@ -520,7 +520,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         api_key: args.api_key,
         max_batch: args.max_batch as usize,
         max_queue: args.max_queue,
-        context: args.device.context,
+        context: args.device.context as usize,
         prefill_chunk: args.prefill_chunk.map_or(
             match args.device.device {
                 Device::Cpu => CPU_PREFILL_CHUNK,

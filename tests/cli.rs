@@ -1,0 +1,87 @@
+//! The command line refuses values it cannot honour with an error naming the flag, before any
+//! work starts, and takes the smallest values it can.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-wrapper")
+}
+
+fn lily(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn generate(extra: &[&str]) -> Output {
+    let model = fixture();
+    let mut args = vec!["generate", "--model", model.to_str().unwrap(), "--json"];
+    args.extend(extra);
+    lily(&args)
+}
+
+/// Fails, and its error output contains every one of `needles`.
+fn assert_refused(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "accepted: {stderr}");
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    for needle in needles {
+        assert!(stderr.contains(needle), "no {needle:?} in: {stderr}");
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn zero_tokens_to_generate_is_refused() {
+    assert_refused(
+        &generate(&["--prompt-ids", "1,2", "--max-tokens", "0"]),
+        &["--max-tokens"],
+    );
+}
+
+#[test]
+fn one_token_to_generate_gives_one() {
+    let out = generate(&["--prompt-ids", "1,2", "--max-tokens", "1"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(result["ids"].as_array().map(Vec::len), Some(1), "{result}");
+}
+
+#[test]
+fn a_negative_temperature_reaches_the_sampling_check() {
+    // Written as a separate argument, it must not be taken for a flag.
+    assert_refused(
+        &generate(&["--prompt-ids", "1", "--temperature", "-1"]),
+        &["temperature", "-1"],
+    );
+}
+
+#[test]
+fn a_context_too_short_for_one_token_is_refused_before_serving() {
+    assert_refused(
+        &lily(&["serve", "--context", "1", "--port", "0"]),
+        &["--context"],
+    );
+}
+
+#[test]
+fn bad_token_ids_are_named() {
+    assert_refused(
+        &generate(&["--prompt-ids", "1,x"]),
+        &["--prompt-ids", "\"x\""],
+    );
+    assert_refused(
+        &generate(&["--prompt-ids", "99999999"]),
+        &["99999999", "vocabulary"],
+    );
+}
