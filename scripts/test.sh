@@ -27,4 +27,7 @@ cargo build --release --features cuda --target-dir target/cuda
 # The CUDA backend's host-side logic (launch shapes, staging sizes, bench arithmetic) needs no GPU.
 cargo test --release --features cuda --target-dir target/cuda --lib -- backend::cuda bench
 LD_LIBRARY_PATH="$cuda_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    CUDA_INCLUDE_DIR="$cuda_root/include" target/cuda/release/lily kernels --check
+    CUDA_INCLUDE_DIR="$cuda_root/include" target/cuda/release/lily kernels --check \
+    $(for config in tests/fixtures/*/config.json tests/data/layouts/*.json; do
+        printf -- '--config %s ' "$config"
+    done)

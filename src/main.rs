@@ -61,6 +61,10 @@ enum Command {
         /// Compile everything and report (the only mode).
         #[arg(long)]
         check: bool,
+        /// A model's `config.json` whose shapes the shape-specialised modules are compiled for
+        /// as well (repeatable; the family's full-size models always are).
+        #[arg(long, requires = "check")]
+        config: Vec<PathBuf>,
     },
     /// Measure prefill and decode speed on the GPU.
     #[cfg(feature = "cuda")]
@@ -383,9 +387,18 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", template.render(&context)?);
         }
         #[cfg(feature = "cuda")]
-        Command::Kernels { check } => {
+        Command::Kernels { check, config } => {
             anyhow::ensure!(check, "use `lily kernels --check`");
-            lily::backend::cuda::kernels::check_all()?;
+            let configs = config
+                .iter()
+                .map(|path| {
+                    Ok((
+                        path.display().to_string(),
+                        lily::config::ModelConfig::from_file(path)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            lily::backend::cuda::kernels::check_all(&configs)?;
         }
         #[cfg(feature = "cuda")]
         Command::Bench {

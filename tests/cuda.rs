@@ -677,8 +677,8 @@ fn the_larger_siblings_proportions_match_the_cpu() {
     );
 }
 
-/// Layouts of the architecture other than the 35B's (as the CPU backend is checked against
-/// MLX-LM on in tests/python/test_mlx_shapes.py): DeltaNet-only and attention-only models, a
+/// Layouts of the architecture other than the 35B's, from tests/data/layouts/ (whose modules CI
+/// compiles with `lily kernels --check --config`): DeltaNet-only and attention-only models, a
 /// value head per key head and four, key and value head dims that differ either way, 2- and
 /// 3-tap convolutions, head_dim 64 and 128 with half and full rotary, one query head per KV
 /// head, top-1 of 4 experts with a shared expert twice their width, a hidden size of 192 and
@@ -686,66 +686,18 @@ fn the_larger_siblings_proportions_match_the_cpu() {
 /// then greedy decode, against the CPU on random weights of each.
 #[test]
 fn other_layouts_of_the_architecture_match_the_cpu() {
-    let rope = |fraction: f64| serde_json::json!({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": fraction});
-    let layouts = [
-        (
-            "DeltaNet only, a value head per key head, key dim 64 over value dim 32, 2-tap conv",
-            serde_json::json!({
-                "num_hidden_layers": 3,
-                "layer_types": ["linear_attention", "linear_attention", "linear_attention"],
-                "linear_num_key_heads": 2,
-                "linear_num_value_heads": 2,
-                "linear_key_head_dim": 64,
-                "linear_value_head_dim": 32,
-                "linear_conv_kernel_dim": 2,
-            }),
-        ),
-        (
-            "attention only, head_dim 128, full rotary, 4 query heads per KV head",
-            serde_json::json!({
-                "num_hidden_layers": 2,
-                "layer_types": ["full_attention", "full_attention"],
-                "num_attention_heads": 8,
-                "num_key_value_heads": 2,
-                "head_dim": 128,
-                "rope_parameters": rope(1.0),
-            }),
-        ),
-        (
-            "4 value heads of 128 per key head of 32, 3-tap conv, head_dim 64, half rotary, \
-             one query head per KV head",
-            serde_json::json!({
-                "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-                "linear_num_key_heads": 1,
-                "linear_num_value_heads": 4,
-                "linear_key_head_dim": 32,
-                "linear_value_head_dim": 128,
-                "linear_conv_kernel_dim": 3,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 2,
-                "head_dim": 64,
-                "rope_parameters": rope(0.5),
-                "rms_norm_eps": 1e-5,
-            }),
-        ),
-        (
-            "hidden 192, top-1 of 4 experts, shared expert of 128 beside experts of 64, tied embeddings",
-            serde_json::json!({
-                "hidden_size": 192,
-                "num_experts": 4,
-                "num_experts_per_tok": 1,
-                "moe_intermediate_size": 64,
-                "shared_expert_intermediate_size": 128,
-                "tie_word_embeddings": true,
-            }),
-        ),
-    ];
-    for (label, fields) in layouts {
-        let mut config = demo_config_json();
-        for (name, value) in fields.as_object().unwrap() {
-            config[name] = value.clone();
-        }
-        config_matches_the_cpu(&config, 70, 29, 5, label);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/layouts");
+    let mut layouts: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    layouts.sort();
+    assert!(layouts.len() >= 4, "{layouts:?}");
+    for path in layouts {
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let label = path.file_stem().unwrap().to_string_lossy();
+        config_matches_the_cpu(&config, 70, 29, 5, &label);
     }
 }
 

@@ -234,7 +234,9 @@ pub fn experiment_defines() -> Vec<String> {
 }
 
 /// `lily kernels --check`: compiles every module without the cache; reports and fails on errors.
-pub fn check_all() -> Result<()> {
+/// The shape-specialised modules are compiled for the family's full-size models and for
+/// `configs` (name, config).
+pub fn check_all(configs: &[(String, ModelConfig)]) -> Result<()> {
     require_nvrtc()?;
     let mut failed = Vec::new();
     // Every module as loaded (scales and biases in bf16, and in fp16), and with the block
@@ -261,19 +263,26 @@ pub fn check_all() -> Result<()> {
                 .map(move |m| (defines.clone(), variant.to_string(), m))
         })
         .collect();
-    // And with the shapes of full-size models of the family compiled in, as the backend
-    // compiles them for each, for experts of every format (each module once per distinct set
-    // of defines).
+    // And with the shapes of full-size models of the family (and of `configs`) compiled in, as
+    // the backend compiles them for each, for experts of every format (each module once per
+    // distinct set of defines).
+    let mut models = FULL_SIZE_CONFIGS
+        .iter()
+        .map(|(model, json)| {
+            let config = ModelConfig::from_json_str(json)
+                .with_context(|| format!("the configuration of {model}"))?;
+            Ok((model.to_string(), config))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    models.extend(configs.iter().cloned());
     let mut shaped: Vec<(&str, Vec<String>)> = Vec::new();
-    for (model, json) in FULL_SIZE_CONFIGS {
-        let config = ModelConfig::from_json_str(json)
-            .with_context(|| format!("the configuration of {model}"))?;
+    for (model, config) in &models {
         for experts in [
             WeightFormat::Affine { bits: 4, group: 64 },
             WeightFormat::Affine { bits: 8, group: 32 },
             WeightFormat::Bf16,
         ] {
-            for (module, own) in super::shapes::shape_defines(&config, Some(experts)) {
+            for (module, own) in super::shapes::shape_defines(config, Some(experts)) {
                 if shaped.contains(&(module, own.clone())) {
                     continue;
                 }
