@@ -221,6 +221,50 @@ fn python_value_printing() {
     );
 }
 
+/// Strings inside printed lists and dicts are Python's `repr`: the quote chosen by content,
+/// and every character Python does not print escaped (non-breaking and ideographic spaces,
+/// zero-width and other format characters, C1 controls, private use, line separators).
+#[test]
+fn strings_in_printed_values_are_python_reprs() {
+    let v = [
+        "\u{a0}",
+        "it's",
+        "a\"b'c",
+        "\u{200b}",
+        "\u{85}\u{7f}\t",
+        "é中😀",
+        "\u{e0001}",
+        "\u{e000}",
+        "\u{2028}",
+        "back\\slash",
+    ];
+    let context = json!({"messages": conversation(), "v": v, "d": {"\u{3000}": "x"}});
+    let out = render_source("{{ v }} {{ d }}", context);
+    assert_eq!(
+        out,
+        r#"['\xa0', "it's", 'a"b\'c', '\u200b', '\x85\x7f\t', 'é中😀', '\U000e0001', '\ue000', '\u2028', 'back\\slash'] {'\u3000': 'x'}"#
+    );
+}
+
+/// Where a float lies exactly halfway between two shortest decimal forms, Python's `repr`
+/// (and so `tojson`) takes the even last digit: 1000000000000000.25 is `...0.2`, not `...0.3`.
+#[test]
+fn floats_halfway_between_two_shortest_forms_print_as_python_does() {
+    let v = [
+        1_000_000_000_000_000.2,
+        -1_000_000_000_000_003.2,
+        1_000_000_000_000_000.8,
+        5e-324,
+        1.797_693_134_862_315_7e308,
+        2.5e-5,
+    ];
+    let context = json!({"messages": conversation(), "v": v});
+    let out = render_source("{{ v }} {{ v | tojson }}", context);
+    let python = "1000000000000000.2, -1000000000000003.2, 1000000000000000.8, 5e-324, \
+                  1.7976931348623157e+308, 2.5e-05";
+    assert_eq!(out, format!("[{python}] [{python}]"));
+}
+
 #[test]
 fn missing_or_corrupt_files_name_the_file() {
     let cases = [

@@ -675,13 +675,67 @@ fn py_repr(value: &Value) -> String {
                 .collect();
             format!("{{{}}}", items.join(", "))
         }
-        // minijinja writes the remaining scalars (strings quoted) as Python does.
+        ValueKind::String => py_str_repr(value.as_str().unwrap_or_default()),
+        // minijinja writes the remaining scalars as Python does.
         _ => format!("{value:?}"),
     }
 }
 
-/// Python's `repr(float)`: the shortest digits that read back as the same number (which Rust's
-/// `{:e}` also gives), laid out in positional notation for exponents -4 to 15, else as `1e+16`.
+/// Python's `repr(str)`: single quotes unless the text holds one and no double quote; the
+/// quote, backslashes, tab, newline and carriage return escaped, and so is every character
+/// Python does not print (`str.isprintable`: control, format, surrogate, private-use and
+/// unassigned characters, and separators other than the space) as `\xNN`, `\uNNNN` or
+/// `\UNNNNNNNN`.
+fn py_str_repr(s: &str) -> String {
+    use unicode_general_category::{GeneralCategory as G, get_general_category};
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\t' => out.push_str("\\t"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' ' => out.push(' '),
+            c => match get_general_category(c) {
+                G::Control
+                | G::Format
+                | G::Surrogate
+                | G::PrivateUse
+                | G::Unassigned
+                | G::LineSeparator
+                | G::ParagraphSeparator
+                | G::SpaceSeparator => {
+                    let code = c as u32;
+                    let escaped = if code < 0x100 {
+                        format!("\\x{code:02x}")
+                    } else if code < 0x10000 {
+                        format!("\\u{code:04x}")
+                    } else {
+                        format!("\\U{code:08x}")
+                    };
+                    out.push_str(&escaped);
+                }
+                _ => out.push(c),
+            },
+        }
+    }
+    out.push(quote);
+    out
+}
+
+/// Python's `repr(float)`: the shortest digits that read back as the same number
+/// ([`shortest_digits`]), laid out in positional notation for exponents -4 to 15, else as
+/// `1e+16`.
 fn py_float_repr(x: f64) -> String {
     if x.is_nan() {
         return "nan".to_owned();
@@ -689,14 +743,8 @@ fn py_float_repr(x: f64) -> String {
     if x.is_infinite() {
         return if x > 0.0 { "inf" } else { "-inf" }.to_owned();
     }
-    let sci = format!("{x:e}");
-    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
-    let (sign, mantissa) = match mantissa.strip_prefix('-') {
-        Some(m) => ("-", m),
-        None => ("", mantissa),
-    };
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    let sign = if x.is_sign_negative() { "-" } else { "" };
+    let (digits, exp) = shortest_digits(x.abs());
     if !(-4..16).contains(&exp) {
         let (first, rest) = digits.split_at(1);
         let dot = if rest.is_empty() { "" } else { "." };
@@ -715,6 +763,47 @@ fn py_float_repr(x: f64) -> String {
         } else {
             format!("{sign}{}.{}", &digits[..point], &digits[point..])
         }
+    }
+}
+
+/// The significant digits and decimal exponent of `{x:e}` (x finite, not negative).
+fn scientific(x: f64, precision: Option<usize>) -> (String, i32) {
+    let sci = match precision {
+        Some(p) => format!("{x:.p$e}"),
+        None => format!("{x:e}"),
+    };
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let digits = mantissa.chars().filter(|c| *c != '.').collect();
+    (digits, exp.parse().unwrap_or(0))
+}
+
+/// The shortest digits that read back as `x` (finite, not negative) and its decimal exponent,
+/// as Python's `repr` picks them: Rust's `{:e}` gives the shortest digits closest to `x`, but
+/// where `x` lies exactly halfway between two such candidates it takes the upper one and
+/// Python the even one (1000000000000000.25 is `...0.2` in Python, `...0.3` in Rust).
+fn shortest_digits(x: f64) -> (String, i32) {
+    let (digits, exp) = scientific(x, None);
+    let n = digits.len();
+    let last = digits.as_bytes()[n - 1];
+    if (last - b'0') % 2 == 0 {
+        return (digits, exp);
+    }
+    // Rounded up from an exact tie: x's exact expansion (at most 767 significant digits) is the
+    // candidate below, then a 5, then only zeros.
+    let below = format!("{}{}", &digits[..n - 1], (last - 1) as char);
+    let (exact, exact_exp) = scientific(x, Some(800));
+    let tie = exact_exp == exp
+        && exact.starts_with(&below)
+        && exact.as_bytes().get(n) == Some(&b'5')
+        && exact[n + 1..].bytes().all(|b| b == b'0');
+    let reads_back = || {
+        let text = format!("{below}e{}", exp - (n as i32 - 1));
+        text.parse::<f64>() == Ok(x)
+    };
+    if tie && reads_back() {
+        (below, exp)
+    } else {
+        (digits, exp)
     }
 }
 
