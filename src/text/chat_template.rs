@@ -785,7 +785,7 @@ fn shortest_digits(x: f64) -> (String, i32) {
     let (digits, exp) = scientific(x, None);
     let n = digits.len();
     let last = digits.as_bytes()[n - 1];
-    if (last - b'0') % 2 == 0 {
+    if (last - b'0').is_multiple_of(2) {
         return (digits, exp);
     }
     // Rounded up from an exact tie: x's exact expansion (at most 767 significant digits) is the
