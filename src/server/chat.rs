@@ -10,7 +10,7 @@ use axum::response::Response;
 use serde_json::{Map, Value, json};
 
 use super::errors::{ApiError, JsonObject, fields};
-use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events};
+use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events, off_the_workers};
 use super::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatFields, ChatLogprobs, ChatMessage,
     ChatTokenLogprob, ChatTopLogprob, CommonFields, FunctionCallOut, MessageContent, ReplyMessage,
@@ -105,12 +105,17 @@ pub async fn chat_completions(
     context
         .entry("add_generation_prompt")
         .or_insert(Value::Bool(true));
-    let prompt_text = template
-        .render(&Value::Object(context))
-        .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
-    let prompt = tokenizer
-        .encode(&prompt_text)
-        .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
+    let (template, encoder) = (template.clone(), tokenizer.clone());
+    let (prompt_text, prompt) = off_the_workers(move || {
+        let text = template
+            .render(&Value::Object(context))
+            .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
+        let ids = encoder
+            .encode(&text)
+            .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
+        Ok((text, ids))
+    })
+    .await?;
     let budget = plan.token_budget(prompt.len(), "messages", &app)?;
     let receivers = plan.submit(&app, &prompt, budget, logprobs)?;
 

@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use super::chat::token_text;
 use super::errors::{ApiError, JsonObject, fields};
-use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events};
+use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events, off_the_workers};
 use super::openai::{
     CommonFields, Completion, CompletionChoice, CompletionFields, CompletionLogprobs, Prompt, Usage,
 };
@@ -58,9 +58,9 @@ pub async fn completions(
     }
     let tokenizer = app.model.tokenizer.clone();
     let (prompt, prompt_text) = match fields.prompt {
-        Prompt::Text(text) => text_prompt(tokenizer.as_deref(), text)?,
+        Prompt::Text(text) => text_prompt(tokenizer.clone(), text).await?,
         Prompt::Texts(mut texts) if texts.len() == 1 => {
-            text_prompt(tokenizer.as_deref(), texts.remove(0))?
+            text_prompt(tokenizer.clone(), texts.remove(0)).await?
         }
         Prompt::Ids(ids) => id_prompt(&app, tokenizer.as_deref(), ids)?,
         Prompt::IdLists(mut lists) if lists.len() == 1 => {
@@ -101,8 +101,8 @@ pub async fn completions(
     respond(merged_events(receivers), reply, plan.stream).await
 }
 
-fn text_prompt(
-    tokenizer: Option<&Tokenizer>,
+async fn text_prompt(
+    tokenizer: Option<Arc<Tokenizer>>,
     text: String,
 ) -> Result<(Vec<u32>, String), ApiError> {
     let tokenizer = tokenizer.ok_or_else(|| {
@@ -111,10 +111,13 @@ fn text_prompt(
             "This model has no tokenizer (tokenizer.json): give the prompt as token ids.",
         )
     })?;
-    let ids = tokenizer
-        .encode(&text)
-        .map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?;
-    Ok((ids, text))
+    off_the_workers(move || {
+        let ids = tokenizer
+            .encode(&text)
+            .map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?;
+        Ok((ids, text))
+    })
+    .await
 }
 
 fn id_prompt(

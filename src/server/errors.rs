@@ -79,6 +79,13 @@ impl ApiError {
             .with_code("not_found")
     }
 
+    /// 405: the path exists but not for this method.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self::invalid(None, format!("{path} does not take {method} requests."))
+            .with_status(StatusCode::METHOD_NOT_ALLOWED)
+            .with_code("method_not_allowed")
+    }
+
     /// 500: the engine failed while generating.
     pub fn internal(message: impl Into<String>) -> Self {
         Self {

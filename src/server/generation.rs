@@ -21,6 +21,17 @@ const MAX_STOP_STRINGS: usize = 16;
 /// The largest `top_logprobs` / `logprobs` count.
 pub const MAX_TOP_LOGPROBS: i64 = 20;
 
+/// Runs request work that can take seconds (rendering a long conversation, tokenising a prompt
+/// of megabytes) on tokio's blocking threads, so that the async workers keep answering other
+/// requests meanwhile.
+pub async fn off_the_workers<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the prompt failed: {e}")))?
+}
+
 /// The common fields of a request, checked.
 #[derive(Debug)]
 pub struct Plan {
@@ -30,6 +41,8 @@ pub struct Plan {
     pub return_token_ids: bool,
     /// `max_tokens` as given (at least 1); the default fills the context.
     pub max_tokens: Option<usize>,
+    /// The field that gave it (chat's `max_completion_tokens` or `max_tokens`), for errors.
+    pub max_tokens_param: &'static str,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub logit_bias: Vec<(u32, f32)>,
@@ -58,6 +71,7 @@ impl Plan {
                 ));
             }
         };
+        let max_tokens_param = max_tokens.map_or("max_tokens", |(_, field)| field);
         let max_tokens = match max_tokens {
             None => None,
             Some((m, _)) if m >= 1 => Some(m as usize),
@@ -142,6 +156,7 @@ impl Plan {
                 .is_some_and(|o| o.include_usage.unwrap_or(false)),
             return_token_ids: common.return_token_ids.unwrap_or(false),
             max_tokens,
+            max_tokens_param,
             sampling,
             stop,
             logit_bias,
@@ -173,7 +188,7 @@ impl Plan {
             None => Ok(context - prompt_tokens),
             Some(m) if prompt_tokens + m <= context => Ok(m),
             Some(m) => Err(ApiError::invalid(
-                "max_tokens",
+                self.max_tokens_param,
                 format!(
                     "This model's maximum context length is {context} tokens. However, you \
                      requested {} tokens ({prompt_tokens} in the prompt, {m} for the \

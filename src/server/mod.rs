@@ -23,8 +23,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
+use axum::extract::rejection::PathRejection;
 use axum::extract::{DefaultBodyLimit, Path as UrlPath, Request, State};
-use axum::http::{Uri, header};
+use axum::http::{Method, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -118,7 +119,7 @@ pub struct ServedModel {
     pub is_demo: bool,
     /// Without one, only `/v1/completions` with token-id prompts works.
     pub tokenizer: Option<Arc<Tokenizer>>,
-    pub chat_template: Option<ChatTemplate>,
+    pub chat_template: Option<Arc<ChatTemplate>>,
     pub eos_token_ids: Vec<u32>,
     pub sampling_defaults: SamplingDefaults,
     /// The model's own context limit (`max_position_embeddings`).
@@ -139,7 +140,7 @@ impl ServedModel {
             None
         };
         let chat_template = match &tokenizer {
-            Some(_) => Some(ChatTemplate::from_model_dir(dir)?),
+            Some(_) => Some(Arc::new(ChatTemplate::from_model_dir(dir)?)),
             None => None,
         };
         let mut names = Vec::new();
@@ -166,7 +167,7 @@ impl ServedModel {
             names: vec![DEMO_MODEL_NAME.to_owned()],
             is_demo: true,
             tokenizer: Some(Arc::new(demo.tokenizer)),
-            chat_template: Some(demo.chat_template),
+            chat_template: Some(Arc::new(demo.chat_template)),
             eos_token_ids: demo.eos_token_ids,
             sampling_defaults: SamplingDefaults::default(),
             max_position_embeddings: demo.model.config.max_position_embeddings,
@@ -232,6 +233,7 @@ pub fn router(app: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics::render))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(middleware::from_fn_with_state(
             app.clone(),
@@ -272,6 +274,10 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(uri.path())
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(method.as_str(), uri.path())
 }
 
 /// 200 while serving, 503 once shutdown began (so load balancers stop sending requests).
@@ -315,8 +321,9 @@ async fn list_models(State(app): State<Arc<AppState>>) -> Json<ModelList> {
 
 async fn get_model(
     State(app): State<Arc<AppState>>,
-    UrlPath(id): UrlPath<String>,
+    id: Result<UrlPath<String>, PathRejection>,
 ) -> Result<Json<ModelCard>, ApiError> {
+    let UrlPath(id) = id.map_err(|e| ApiError::invalid("model", e.body_text()))?;
     if app.model_names().any(|name| name == id) {
         Ok(Json(model_card(&app)))
     } else {
