@@ -112,6 +112,14 @@ fn default_max_positions() -> usize {
     262_144
 }
 
+/// The most layers a configuration may have.
+const MAX_LAYERS: usize = 1 << 12;
+/// The largest vocabulary and context a configuration may give.
+const MAX_TABLE: usize = 1 << 24;
+/// The largest width, head count or expert count a configuration may give: with these bounds
+/// the products of sizes that lily computes stay far from overflowing.
+const MAX_DIM: usize = 1 << 20;
+
 impl ModelConfig {
     /// Reads `DIR/config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self> {
@@ -145,13 +153,17 @@ impl ModelConfig {
             ),
             None => bail!("field `model_type` is missing"),
         };
-        let raw: RawTextConfig = serde_json::from_value(text_value).map_err(|e| {
+        let raw: RawTextConfig = serde_path_to_error::deserialize(text_value).map_err(|e| {
             let place = if model_type == Some("qwen3_5_moe") {
-                "text_config: "
+                "text_config."
             } else {
                 ""
             };
-            anyhow::anyhow!("{place}{e}")
+            // The path of the field at fault: `text_config.hidden_size`, `rope_parameters`.
+            match e.path().to_string().as_str() {
+                "." => anyhow::anyhow!("{}", e.inner()),
+                path => anyhow::anyhow!("field `{place}{path}`: {}", e.inner()),
+            }
         })?;
         if let Some(t) = &raw.model_type {
             ensure!(
@@ -171,6 +183,12 @@ impl ModelConfig {
         ensure!(
             raw.num_hidden_layers > 0,
             "field `num_hidden_layers` must be positive"
+        );
+        // Before anything is sized by it.
+        ensure!(
+            raw.num_hidden_layers <= MAX_LAYERS,
+            "field `num_hidden_layers` is {}, more than lily supports ({MAX_LAYERS})",
+            raw.num_hidden_layers
         );
         let layer_kinds = match (&raw.layer_types, raw.full_attention_interval) {
             (Some(types), _) => {
@@ -233,10 +251,24 @@ impl ModelConfig {
             .and_then(|r| r.rope_theta)
             .or(raw.rope_theta)
             .unwrap_or(10_000.0);
+        ensure!(
+            rope_theta.is_finite() && rope_theta >= 1.0,
+            "field `rope_theta` is {rope_theta}: the RoPE base must be at least 1 (below it the \
+             frequencies grow instead of falling off)"
+        );
         let partial = rope
             .and_then(|r| r.partial_rotary_factor)
             .or(raw.partial_rotary_factor)
             .unwrap_or(0.25);
+        ensure!(
+            partial > 0.0 && partial <= 1.0,
+            "field `partial_rotary_factor` is {partial}: it must be above 0 and at most 1"
+        );
+        ensure!(
+            raw.rms_norm_eps.is_finite() && raw.rms_norm_eps >= 0.0,
+            "field `rms_norm_eps` is {}: it must be a number of at least 0",
+            raw.rms_norm_eps
+        );
         let head_dim = raw
             .head_dim
             .unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1));
@@ -292,9 +324,52 @@ impl ModelConfig {
             ("num_experts", self.num_experts),
             ("num_experts_per_tok", self.num_experts_per_tok),
             ("moe_intermediate_size", self.moe_intermediate_size),
+            (
+                "shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size,
+            ),
             ("max_position_embeddings", self.max_position_embeddings),
         ] {
             ensure!(v > 0, "field `{name}` must be positive");
+        }
+        // Bounds far above any model of the family, so that no product of sizes overflows.
+        for (name, v, most) in [
+            ("vocab_size", self.vocab_size, MAX_TABLE),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_TABLE,
+            ),
+            ("hidden_size", self.hidden_size, MAX_DIM),
+            ("num_attention_heads", self.num_attention_heads, MAX_DIM),
+            ("num_key_value_heads", self.num_key_value_heads, MAX_DIM),
+            ("head_dim", self.head_dim, MAX_DIM),
+            ("linear_num_key_heads", self.linear_num_key_heads, MAX_DIM),
+            (
+                "linear_num_value_heads",
+                self.linear_num_value_heads,
+                MAX_DIM,
+            ),
+            ("linear_key_head_dim", self.linear_key_head_dim, MAX_DIM),
+            ("linear_value_head_dim", self.linear_value_head_dim, MAX_DIM),
+            (
+                "linear_conv_kernel_dim",
+                self.linear_conv_kernel_dim,
+                MAX_DIM,
+            ),
+            ("num_experts", self.num_experts, MAX_DIM),
+            ("num_experts_per_tok", self.num_experts_per_tok, MAX_DIM),
+            ("moe_intermediate_size", self.moe_intermediate_size, MAX_DIM),
+            (
+                "shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size,
+                MAX_DIM,
+            ),
+        ] {
+            ensure!(
+                v <= most,
+                "field `{name}` is {v}, more than lily supports ({most})"
+            );
         }
         ensure!(
             self.num_attention_heads
@@ -446,5 +521,46 @@ mod tests {
         let v = serde_json::json!({"model_type": "qwen3_5_moe"});
         assert!(err(v).contains("text_config"));
         assert!(ModelConfig::from_json_str("{not json").is_err());
+        // A value of the wrong type names its field, nested ones by their path.
+        let mut v = text_config();
+        v["hidden_size"] = "64".into();
+        assert!(err(v).contains("field `hidden_size`"));
+        let mut v = text_config();
+        v["rope_parameters"]["rope_theta"] = "big".into();
+        assert!(err(v).contains("field `rope_parameters.rope_theta`"));
+        let wrapper =
+            serde_json::json!({"model_type": "qwen3_5_moe", "text_config": {"vocab_size": -1}});
+        assert!(err(wrapper).contains("field `text_config.vocab_size`"));
+    }
+
+    /// Values no model can have are refused before anything is sized by them: counts past what
+    /// a product of sizes could hold, a RoPE base below 1, a rotary fraction outside (0, 1], a
+    /// negative norm epsilon, an empty shared expert.
+    #[test]
+    fn impossible_values_are_refused() {
+        let refused = |field: &str, value: Value| {
+            let mut v = text_config();
+            match field.split_once('.') {
+                Some((outer, inner)) => v[outer][inner] = value.clone(),
+                None => v[field] = value.clone(),
+            }
+            let message = format!(
+                "{:#}",
+                ModelConfig::from_json_str(&v.to_string()).unwrap_err()
+            );
+            let name = field.rsplit('.').next().unwrap_or(field);
+            assert!(message.contains(name), "{field} = {value}: {message}");
+        };
+        refused("num_hidden_layers", (1u64 << 62).into());
+        refused("num_attention_heads", ((1u64 << 62) + 4).into());
+        refused("linear_key_head_dim", ((1u64 << 63) + 16).into());
+        refused("vocab_size", (1u64 << 40).into());
+        refused("rope_parameters.rope_theta", 0.into());
+        refused("rope_parameters.rope_theta", (-1.0).into());
+        refused("rope_parameters.partial_rotary_factor", (-0.5).into());
+        refused("rope_parameters.partial_rotary_factor", 0.into());
+        refused("rope_parameters.partial_rotary_factor", 1e30.into());
+        refused("rms_norm_eps", (-1.0).into());
+        refused("shared_expert_intermediate_size", 0.into());
     }
 }

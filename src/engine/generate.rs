@@ -155,7 +155,7 @@ pub fn generate<B: Backend>(
     let start = Instant::now();
     let mut logits = backend.prefill(&mut state, prompt, LogitsFor::Last)?;
     let prefill_s = start.elapsed().as_secs_f64();
-    let mut id = sampler.sample(&mut logits).token_id;
+    let mut id = sampler.sample(&mut logits)?.token_id;
 
     let start = Instant::now();
     let finish = loop {
@@ -174,7 +174,7 @@ pub fn generate<B: Backend>(
             drawn
         } else {
             let mut logits = backend.decode(&mut [&mut state], &[id])?;
-            sampler.sample(&mut logits).token_id
+            sampler.sample(&mut logits)?.token_id
         };
     };
     let decode_s = start.elapsed().as_secs_f64();

@@ -18,7 +18,11 @@ const MIN_SAMPLING_TEMPERATURE: f32 = 1e-5;
 /// distributions concentrate their mass on few tokens, so one small round usually suffices.
 const FIRST_TOP_P_ROUND: usize = 64;
 
-const NO_FINITE_LOGIT: &str = "sampling needs at least one finite logit";
+/// What [`Sampler::sample`] fails with when no logit is finite (or none stays finite once
+/// divided by the temperature): only broken weights or configurations produce that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the model produced no finite logit (its weights or configuration are broken)")]
+pub struct NoFiniteLogit;
 
 /// How to choose the next token. Every field has an "off" value, and the default is greedy
 /// decoding with all filters and penalties off.
@@ -192,16 +196,16 @@ impl Sampler {
     /// that is the penalised logits without temperature or filters, which do not change the argmax.
     ///
     /// # Panics
-    /// If `logits` has no finite value, or a prompt or generated id is not an index of `logits`.
-    pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
+    /// If a prompt or generated id is not an index of `logits`.
+    pub fn sample(&mut self, logits: &mut [f32]) -> Result<Sampled, NoFiniteLogit> {
         self.apply_penalties(logits);
         let sampled = if self.params.temperature < MIN_SAMPLING_TEMPERATURE {
             greedy(logits)
         } else {
             self.draw(logits)
-        };
+        }?;
         self.record(sampled.token_id);
-        sampled
+        Ok(sampled)
     }
 
     /// This step's draw for a backend that samples on its own (ids from `allowed` up excluded),
@@ -250,7 +254,7 @@ impl Sampler {
         }
     }
 
-    fn draw(&mut self, logits: &mut [f32]) -> Sampled {
+    fn draw(&mut self, logits: &mut [f32]) -> Result<Sampled, NoFiniteLogit> {
         let params = &self.params;
         for logit in logits.iter_mut() {
             *logit /= params.temperature;
@@ -258,7 +262,9 @@ impl Sampler {
         let candidates = &mut self.candidates;
         candidates.clear();
         candidates.extend(finite_candidates(logits));
-        assert!(!candidates.is_empty(), "{NO_FINITE_LOGIT}");
+        if candidates.is_empty() {
+            return Err(NoFiniteLogit);
+        }
         let finite_count = candidates.len();
 
         // Both orders the draw may walk the candidates in (by id, or by descending logit with
@@ -282,7 +288,7 @@ impl Sampler {
                 logits[candidate.token_id as usize] = candidate.logit;
             }
         }
-        sampled
+        Ok(sampled)
     }
 }
 
@@ -368,14 +374,14 @@ fn weight(logit: f32, max_logit: f32) -> f64 {
     f64::from((logit - max_logit).exp())
 }
 
-fn greedy(logits: &[f32]) -> Sampled {
+fn greedy(logits: &[f32]) -> Result<Sampled, NoFiniteLogit> {
     let best = finite_candidates(logits)
         .min_by(Candidate::more_likely_first)
-        .expect(NO_FINITE_LOGIT);
-    Sampled {
+        .ok_or(NoFiniteLogit)?;
+    Ok(Sampled {
         token_id: best.token_id,
         logprob: LogSoftmax::over(finite_candidates(logits)).logprob(best.logit),
-    }
+    })
 }
 
 /// Keeps the smallest set of most likely candidates whose probability mass reaches `top_p`: a
@@ -436,7 +442,7 @@ fn draw_from(candidates: &[Candidate], unit: f64) -> Sampled {
             break;
         }
     }
-    let chosen = chosen.expect(NO_FINITE_LOGIT);
+    let chosen = chosen.expect("the largest candidate has weight 1");
     Sampled {
         token_id: chosen.token_id,
         logprob: normaliser.logprob(chosen.logit),
@@ -542,7 +548,7 @@ mod tests {
         sampler.record(0);
         // Token 0 led by 0.5 in logit; one recorded use costs it 1.0, so token 1 wins.
         let mut logits = vec![1.0, 0.5, 0.0];
-        assert_eq!(sampler.sample(&mut logits).token_id, 1);
+        assert_eq!(sampler.sample(&mut logits).unwrap().token_id, 1);
     }
 
     fn assert_close(actual: f32, expected: f32) {
@@ -555,7 +561,10 @@ mod tests {
     /// Draws once and returns the ids the filters kept, i.e. those left finite in the logits.
     fn survivors(params: SamplingParams, logits: &[f32]) -> Vec<u32> {
         let mut logits = logits.to_vec();
-        let sampled = Sampler::new(params, &[]).unwrap().sample(&mut logits);
+        let sampled = Sampler::new(params, &[])
+            .unwrap()
+            .sample(&mut logits)
+            .unwrap();
         let kept: Vec<u32> = (0..logits.len() as u32)
             .filter(|&id| logits[id as usize].is_finite())
             .collect();
@@ -568,7 +577,10 @@ mod tests {
         let params = SamplingParams::default();
         assert_eq!(params.validate(), Ok(()));
         let mut logits = [0.1, 0.4, 0.2];
-        let sampled = Sampler::new(params, &[]).unwrap().sample(&mut logits);
+        let sampled = Sampler::new(params, &[])
+            .unwrap()
+            .sample(&mut logits)
+            .unwrap();
         assert_eq!(sampled.token_id, 1);
     }
 
@@ -689,7 +701,8 @@ mod tests {
         let mut logits = raw;
         let sampled = Sampler::new(SamplingParams::default(), &[])
             .unwrap()
-            .sample(&mut logits);
+            .sample(&mut logits)
+            .unwrap();
         assert_eq!(sampled.token_id, 1);
         assert_close(sampled.logprob, log_softmax(&raw, 1));
         assert_eq!(logits, raw);
@@ -700,7 +713,8 @@ mod tests {
         let mut logits = [f32::NAN, f32::NEG_INFINITY, 0.1, 0.5];
         let sampled = Sampler::new(SamplingParams::default(), &[])
             .unwrap()
-            .sample(&mut logits);
+            .sample(&mut logits)
+            .unwrap();
         assert_eq!(sampled.token_id, 3);
         for seed in 0..50 {
             let params = SamplingParams {
@@ -712,10 +726,15 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "at least one finite logit")]
-    fn sampling_without_a_finite_logit_panics() {
-        let mut logits = [f32::NEG_INFINITY; 3];
-        Sampler::new(seeded(1.0), &[]).unwrap().sample(&mut logits);
+    fn sampling_without_a_finite_logit_is_an_error() {
+        for params in [seeded(1.0), SamplingParams::default()] {
+            let mut sampler = Sampler::new(params, &[]).unwrap();
+            let mut logits = [f32::NEG_INFINITY, f32::NAN, f32::INFINITY];
+            assert_eq!(sampler.sample(&mut logits), Err(NoFiniteLogit));
+        }
+        // Finite logits that the temperature takes out of range leave nothing to draw either.
+        let mut sampler = Sampler::new(seeded(1e-5), &[]).unwrap();
+        assert_eq!(sampler.sample(&mut [3e38, 3e38]), Err(NoFiniteLogit));
     }
 
     #[test]
@@ -728,11 +747,11 @@ mod tests {
         let mut sampler = Sampler::new(params, &[0, 1, 3, 0]).unwrap();
 
         let mut logits = raw;
-        assert_eq!(sampler.sample(&mut logits).token_id, 2);
+        assert_eq!(sampler.sample(&mut logits).unwrap().token_id, 2);
         assert_eq!(logits, [1.0, -4.0, 1.5, 0.25]);
 
         let mut logits = raw;
-        assert_eq!(sampler.sample(&mut logits).token_id, 0);
+        assert_eq!(sampler.sample(&mut logits).unwrap().token_id, 0);
         assert_eq!(logits, [1.0, -4.0, 0.75, 0.25]);
     }
 
@@ -753,7 +772,7 @@ mod tests {
         ];
         for (expected_id, expected_logits) in expected_steps {
             let mut logits = raw;
-            assert_eq!(sampler.sample(&mut logits).token_id, expected_id);
+            assert_eq!(sampler.sample(&mut logits).unwrap().token_id, expected_id);
             for (actual, expected) in logits.into_iter().zip(expected_logits) {
                 assert_close(actual, expected);
             }
@@ -763,7 +782,10 @@ mod tests {
     #[test]
     fn temperature_divides_logits_and_logprob_uses_the_scaled_distribution() {
         let mut logits = [1.0, 2.0, 0.5];
-        let sampled = Sampler::new(seeded(0.5), &[]).unwrap().sample(&mut logits);
+        let sampled = Sampler::new(seeded(0.5), &[])
+            .unwrap()
+            .sample(&mut logits)
+            .unwrap();
         assert_eq!(logits, [2.0, 4.0, 1.0]);
         assert_close(
             sampled.logprob,
@@ -775,7 +797,10 @@ mod tests {
     fn tiny_temperatures_decode_greedily() {
         let raw = [1.0, 2.0, 0.5];
         let mut logits = raw;
-        let sampled = Sampler::new(seeded(1e-6), &[]).unwrap().sample(&mut logits);
+        let sampled = Sampler::new(seeded(1e-6), &[])
+            .unwrap()
+            .sample(&mut logits)
+            .unwrap();
         assert_eq!(sampled.token_id, 1);
         assert_eq!(logits, raw);
     }
@@ -883,7 +908,7 @@ mod tests {
         let raw: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
         let mut sampler = Sampler::new(params, &[]).unwrap();
         (0..steps)
-            .map(|_| sampler.sample(&mut raw.clone()))
+            .map(|_| sampler.sample(&mut raw.clone()).unwrap())
             .collect()
     }
 
@@ -933,7 +958,7 @@ mod tests {
         let mut sampler = Sampler::new(seeded(temperature), &[]).unwrap();
         let mut counts = [0u32; 4];
         for _ in 0..draws {
-            counts[sampler.sample(&mut raw.clone()).token_id as usize] += 1;
+            counts[sampler.sample(&mut raw.clone()).unwrap().token_id as usize] += 1;
         }
         let scaled = raw.map(|l| l / temperature);
         for (id, count) in counts.into_iter().enumerate() {
@@ -972,7 +997,7 @@ mod tests {
         };
         let mut sampler = Sampler::new(params, &[]).unwrap();
         let mut logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.4).collect();
-        let sampled = sampler.sample(&mut logits);
+        let sampled = sampler.sample(&mut logits).unwrap();
         let listed = top_logprobs(&logits, logits.len());
         let entry = listed
             .iter()

@@ -622,12 +622,7 @@ fn choose<S>(
     {
         logits[t.vocab_size()..].fill(f32::NEG_INFINITY);
     }
-    // Only a broken model (or weights) gets here; the sampler needs a finite logit.
-    anyhow::ensure!(
-        logits.iter().any(|l| l.is_finite()),
-        "the model produced no finite logit"
-    );
-    let sampled = s.sampler.sample(logits);
+    let sampled = s.sampler.sample(logits)?;
     let logprobs = s.logprobs.map(|k| TokenLogprobs {
         logprob: sampled.logprob,
         top: top_logprobs(logits, k),
