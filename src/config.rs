@@ -435,8 +435,16 @@ pub fn eos_token_ids(dir: &Path, config: &ModelConfig) -> Result<Vec<u32>> {
         let v: Value = serde_json::from_str(&text)
             .with_context(|| format!("{} is not valid JSON", path.display()))?;
         if let Some(eos) = v.get("eos_token_id").filter(|e| !e.is_null()) {
-            return parse_ids(eos)
-                .with_context(|| format!("{}: field `eos_token_id`", path.display()));
+            let ids = parse_ids(eos)
+                .with_context(|| format!("{}: field `eos_token_id`", path.display()))?;
+            if let Some(id) = ids.iter().find(|&&id| id as usize >= config.vocab_size) {
+                bail!(
+                    "{}: field `eos_token_id` ({id}) is outside the vocabulary ({})",
+                    path.display(),
+                    config.vocab_size
+                );
+            }
+            return Ok(ids);
         }
     }
     Ok(config.eos_token_ids.clone())
@@ -531,6 +539,22 @@ mod tests {
         let wrapper =
             serde_json::json!({"model_type": "qwen3_5_moe", "text_config": {"vocab_size": -1}});
         assert!(err(wrapper).contains("field `text_config.vocab_size`"));
+    }
+
+    #[test]
+    fn generation_config_eos_ids_must_be_in_the_vocabulary() {
+        let config = ModelConfig::from_json_str(&text_config().to_string()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(eos_token_ids(dir.path(), &config).unwrap(), vec![7]);
+        let file = dir.path().join("generation_config.json");
+        std::fs::write(&file, r#"{"eos_token_id": [5, 9]}"#).unwrap();
+        assert_eq!(eos_token_ids(dir.path(), &config).unwrap(), vec![5, 9]);
+        std::fs::write(&file, r#"{"eos_token_id": [5, 100]}"#).unwrap();
+        let message = format!("{:#}", eos_token_ids(dir.path(), &config).unwrap_err());
+        assert!(
+            message.contains("generation_config.json") && message.contains("100"),
+            "{message}"
+        );
     }
 
     /// Values no model can have are refused before anything is sized by them: counts past what
