@@ -16,7 +16,10 @@
 //!
 //! and the JSON form of earlier Qwen models, `{"name": ..., "arguments": {...}}`. XML parameter
 //! values are text; they become JSON values of the types the tool's JSON schema gives (a
-//! parameter without a schema stays a string). A block that cannot be parsed is returned as
+//! parameter without a schema stays a string). The format cannot escape markup inside values,
+//! so `</parameter>`, `</function>` and `</tool_call>` end a part only where the call's
+//! structure continues after them, and `<parameter=` starts one only at the start of a line
+//! (as vLLM's `qwen3_coder` parser reads them). A block that cannot be parsed is returned as
 //! content, unchanged. Text around the blocks is content, without the whitespace that separates
 //! it from them.
 
@@ -49,6 +52,8 @@ pub struct ToolCallParser {
     pending: String,
     in_call: bool,
     calls_made: usize,
+    /// A block has just closed: the whitespace after it is not content.
+    after_block: bool,
 }
 
 impl ToolCallParser {
@@ -59,6 +64,7 @@ impl ToolCallParser {
             pending: String::new(),
             in_call: false,
             calls_made: 0,
+            after_block: false,
         }
     }
 
@@ -68,18 +74,23 @@ impl ToolCallParser {
         let mut out = Parsed::default();
         loop {
             if self.in_call {
-                let Some(at) = self.pending.find(CLOSE) else {
+                let Some(at) = block_end(&self.pending) else {
                     return out;
                 };
                 let block = self.pending[..at].to_owned();
                 self.pending.drain(..at + CLOSE.len());
                 self.in_call = false;
                 self.take_block(&block, true, &mut out);
+                self.after_block = self.calls_made > 0;
                 continue;
             }
-            if self.calls_made > 0 {
+            if self.after_block {
                 let trimmed_len = self.pending.trim_start().len();
                 self.pending.drain(..self.pending.len() - trimmed_len);
+                if self.pending.is_empty() {
+                    return out;
+                }
+                self.after_block = false;
             }
             if let Some(at) = self.pending.find(OPEN) {
                 out.content.push_str(self.pending[..at].trim_end());
@@ -132,6 +143,55 @@ impl ToolCallParser {
     }
 }
 
+const FUNCTION_END: &str = "</function>";
+const PARAMETER: &str = "<parameter=";
+const PARAMETER_END: &str = "</parameter>";
+
+/// Where the block that `pending` holds (after its `<tool_call>`) ends: the first `</tool_call>`
+/// that follows the end of a call (`</function>`, `</parameter>` where a model left the function
+/// open, or the `}` of the JSON form). One inside a parameter's value is text.
+fn block_end(pending: &str) -> Option<usize> {
+    let mut from = 0;
+    while let Some(at) = pending[from..].find(CLOSE).map(|i| from + i) {
+        let before = pending[..at].trim_end();
+        if [FUNCTION_END, PARAMETER_END, "}"]
+            .iter()
+            .any(|end| before.ends_with(end))
+        {
+            return Some(at);
+        }
+        from = at + CLOSE.len();
+    }
+    None
+}
+
+/// The first `tag` in `text` that the structure continues after: followed (past whitespace)
+/// by the end of `text` or by one of `next`. A closing tag followed by anything else is part
+/// of a value (a parameter holding markup, say), as the model's format cannot escape it.
+fn structural_end(text: &str, tag: &str, next: &[&str]) -> Option<usize> {
+    let mut from = 0;
+    while let Some(at) = text[from..].find(tag).map(|i| from + i) {
+        let rest = text[at + tag.len()..].trim_start();
+        if rest.is_empty() || next.iter().any(|n| rest.starts_with(n)) {
+            return Some(at);
+        }
+        from = at + tag.len();
+    }
+    None
+}
+
+/// The first `<parameter=` in `text` that starts a line (or `text`).
+fn parameter_start(text: &str) -> Option<usize> {
+    let mut from = 0;
+    while let Some(at) = text[from..].find(PARAMETER).map(|i| from + i) {
+        if at == 0 || text[..at].ends_with('\n') {
+            return Some(at);
+        }
+        from = at + PARAMETER.len();
+    }
+    None
+}
+
 /// Parses the inside of a `<tool_call>` block (XML or JSON form); `None` if it is neither.
 fn parse_block(block: &str, tools: &[Tool]) -> Option<Vec<ParsedCall>> {
     let block = block.trim();
@@ -148,8 +208,8 @@ fn parse_block(block: &str, tools: &[Tool]) -> Option<Vec<ParsedCall>> {
             return None;
         }
         let body = &after[name_end + 1..];
-        let (body, next) = match body.find("</function>") {
-            Some(end) => (&body[..end], &body[end + "</function>".len()..]),
+        let (body, next) = match structural_end(body, FUNCTION_END, &["<function="]) {
+            Some(end) => (&body[..end], &body[end + FUNCTION_END.len()..]),
             None => (body, ""),
         };
         let schema = parameter_schemas(tools, name);
@@ -204,25 +264,25 @@ fn parse_parameters(
     body: &str,
     schemas: Option<&Map<String, Value>>,
 ) -> Option<Map<String, Value>> {
-    const TAG: &str = "<parameter=";
-    const END: &str = "</parameter>";
     let mut arguments = Map::new();
-    let mut rest = body;
+    let mut rest = body.trim_start();
     loop {
-        let Some(start) = rest.find(TAG) else {
+        let Some(start) = parameter_start(rest) else {
             return rest.trim().is_empty().then_some(arguments);
         };
         if !rest[..start].trim().is_empty() {
             return None;
         }
-        let after = &rest[start + TAG.len()..];
+        let after = &rest[start + PARAMETER.len()..];
         let name_end = after.find('>')?;
         let name = after[..name_end].trim();
         let value_and_rest = &after[name_end + 1..];
-        let (raw, next) = match (value_and_rest.find(END), value_and_rest.find(TAG)) {
-            (Some(end), next_tag) if next_tag.is_none_or(|t| end < t) => {
-                (&value_and_rest[..end], &value_and_rest[end + END.len()..])
-            }
+        let end = structural_end(value_and_rest, PARAMETER_END, &[PARAMETER]);
+        let (raw, next) = match (end, parameter_start(value_and_rest)) {
+            (Some(end), next_tag) if next_tag.is_none_or(|t| end < t) => (
+                &value_and_rest[..end],
+                &value_and_rest[end + PARAMETER_END.len()..],
+            ),
             (_, Some(t)) => (&value_and_rest[..t], &value_and_rest[t..]),
             (_, None) => (value_and_rest, ""),
         };
@@ -255,12 +315,8 @@ fn typed_value(raw: &str, schema: Option<&Value>) -> Value {
     let text = raw.trim();
     for kind in types.iter().filter(|&&t| t != "string") {
         let value = match *kind {
-            "integer" => text
-                .parse::<i64>()
-                .ok()
-                .map(Value::from)
-                .or_else(|| integral_float(text)),
-            "number" => text.parse::<i64>().ok().map(Value::from).or_else(|| {
+            "integer" => exact_integer(text).or_else(|| integral_float(text)),
+            "number" => exact_integer(text).or_else(|| {
                 text.parse::<f64>()
                     .ok()
                     .and_then(Number::from_f64)
@@ -281,6 +337,14 @@ fn typed_value(raw: &str, schema: Option<&Value>) -> Value {
         }
     }
     Value::String(raw.to_owned())
+}
+
+/// An integer that JSON numbers hold exactly here: from i64's least to u64's greatest.
+fn exact_integer(text: &str) -> Option<Value> {
+    text.parse::<i64>()
+        .map(Value::from)
+        .or_else(|_| text.parse::<u64>().map(Value::from))
+        .ok()
 }
 
 /// `"3.0"` as the integer 3.
