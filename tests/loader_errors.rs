@@ -106,6 +106,34 @@ fn wrong_dtype_names_tensor_and_file() {
     assert!(err.contains("model.safetensors"), "{err}");
 }
 
+/// A header whose dtype or shape no longer matches a tensor's bytes names that tensor (the
+/// safetensors crate's own message does not).
+#[test]
+fn header_size_mismatch_names_the_tensor() {
+    for (field, value) in [
+        ("dtype", serde_json::json!("F32")),
+        ("shape", serde_json::json!([3, 5])),
+    ] {
+        let dir = edited_checkpoint(|_| {});
+        let path = dir.path().join("model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+        header[SOME_TENSOR][field] = value;
+        let mut text = header.to_string().into_bytes();
+        text.resize(text.len().next_multiple_of(8), b' ');
+        let mut edited = (text.len() as u64).to_le_bytes().to_vec();
+        edited.extend(&text);
+        edited.extend(&bytes[8 + len..]);
+        std::fs::write(&path, edited).unwrap();
+        let err = load_error(dir.path());
+        assert!(
+            err.contains("model.safetensors") && err.contains(SOME_TENSOR),
+            "{field}: {err}"
+        );
+    }
+}
+
 #[test]
 fn truncated_file_is_named() {
     let dir = edited_checkpoint(|_| {});

@@ -306,8 +306,9 @@ impl Checkpoint {
 
     fn add_mapping(&mut self, path: PathBuf, map: Mmap) -> Result<()> {
         let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
+            let at_fault = tensor_at_fault(&map).map_or(String::new(), |t| format!(": {t}"));
             anyhow::anyhow!(
-                "{} is not a valid safetensors file (truncated or corrupt): {e}",
+                "{} is not a valid safetensors file (truncated or corrupt): {e}{at_fault}",
                 path.display()
             )
         })?;
@@ -457,6 +458,51 @@ fn shard_paths(dir: &Path, index_path: &Path) -> Result<Vec<PathBuf>> {
             Ok(path)
         })
         .collect()
+}
+
+/// For a header the safetensors crate refused without naming a tensor (a size that does not
+/// match the tensor's bytes): the first tensor whose shape and dtype need another number of
+/// bytes than its data offsets give, described.
+fn tensor_at_fault(file: &[u8]) -> Option<String> {
+    let len = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
+    let header = file.get(8..8usize.checked_add(len)?)?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    header
+        .iter()
+        .filter(|(name, _)| *name != "__metadata__")
+        .find_map(|(name, info)| {
+            let dtype = info.get("dtype")?.as_str()?;
+            let bits: u64 = match dtype {
+                "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
+                "I16" | "U16" | "F16" | "BF16" => 16,
+                "I32" | "U32" | "F32" => 32,
+                "I64" | "U64" | "F64" => 64,
+                "F4" => 4,
+                "F6_E2M3" | "F6_E3M2" => 6,
+                _ => return None,
+            };
+            let shape: Vec<u64> = info
+                .get("shape")?
+                .as_array()?
+                .iter()
+                .map(serde_json::Value::as_u64)
+                .collect::<Option<_>>()?;
+            let offsets = info.get("data_offsets")?.as_array()?;
+            let (begin, end) = (offsets.first()?.as_u64()?, offsets.get(1)?.as_u64()?);
+            let needed = shape
+                .iter()
+                .try_fold(bits, |n, &d| n.checked_mul(d))
+                .map(|n| n.div_ceil(8));
+            let given = end.checked_sub(begin);
+            (needed != given).then(|| {
+                let needed = needed.map_or("more than 2^64".to_owned(), |n| n.to_string());
+                format!(
+                    "tensor `{name}` ({dtype} {shape:?}) needs {needed} bytes, but its data \
+                     offsets [{begin}, {end}] give {}",
+                    given.map_or("a negative count".to_owned(), |g| g.to_string())
+                )
+            })
+        })
 }
 
 #[cfg(test)]
