@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use memmap2::{Mmap, MmapMut, UncheckedAdvice};
+use safetensors::tensor::TensorInfo;
 use safetensors::{Dtype, SafeTensors};
 
 /// Element types lily computes with.
@@ -468,37 +469,24 @@ fn tensor_at_fault(file: &[u8]) -> Option<String> {
     let header = file.get(8..8usize.checked_add(len)?)?;
     let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
     header
-        .iter()
-        .filter(|(name, _)| *name != "__metadata__")
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
         .find_map(|(name, info)| {
-            let dtype = info.get("dtype")?.as_str()?;
-            let bits: u64 = match dtype {
-                "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
-                "I16" | "U16" | "F16" | "BF16" => 16,
-                "I32" | "U32" | "F32" => 32,
-                "I64" | "U64" | "F64" => 64,
-                "F4" => 4,
-                "F6_E2M3" | "F6_E3M2" => 6,
-                _ => return None,
-            };
-            let shape: Vec<u64> = info
-                .get("shape")?
-                .as_array()?
+            let info: TensorInfo = serde_json::from_value(info).ok()?;
+            let (begin, end) = info.data_offsets;
+            let needed = info
+                .shape
                 .iter()
-                .map(serde_json::Value::as_u64)
-                .collect::<Option<_>>()?;
-            let offsets = info.get("data_offsets")?.as_array()?;
-            let (begin, end) = (offsets.first()?.as_u64()?, offsets.get(1)?.as_u64()?);
-            let needed = shape
-                .iter()
-                .try_fold(bits, |n, &d| n.checked_mul(d))
-                .map(|n| n.div_ceil(8));
+                .try_fold(info.dtype.bitsize(), |n, &d| n.checked_mul(d))
+                .map(|bits| bits.div_ceil(8));
             let given = end.checked_sub(begin);
             (needed != given).then(|| {
                 let needed = needed.map_or("more than 2^64".to_owned(), |n| n.to_string());
                 format!(
-                    "tensor `{name}` ({dtype} {shape:?}) needs {needed} bytes, but its data \
-                     offsets [{begin}, {end}] give {}",
+                    "tensor `{name}` ({:?} {:?}) needs {needed} bytes, but its data offsets \
+                     [{begin}, {end}] give {}",
+                    info.dtype,
+                    info.shape,
                     given.map_or("a negative count".to_owned(), |g| g.to_string())
                 )
             })
