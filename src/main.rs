@@ -283,9 +283,26 @@ fn main() {
         )
         .init();
     if let Err(e) = run(Cli::parse()) {
+        // A reader that closed its end of the pipe (`lily logits ... | head`) wants no more
+        // output: stop quietly, with the status a shell gives a process ended by SIGPIPE.
+        let closed_pipe = e
+            .chain()
+            .filter_map(|cause| cause.downcast_ref::<std::io::Error>())
+            .any(|io| io.kind() == std::io::ErrorKind::BrokenPipe);
+        if closed_pipe {
+            std::process::exit(141);
+        }
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// Writes a command's output to stdout, returning write errors (a closed pipe among them) rather
+/// than panicking as `print!` does.
+fn print_out(text: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    Ok(out.flush()?)
 }
 
 /// Runs `$body` with `$backend` bound to the backend `$device` asks for.
@@ -342,13 +359,16 @@ fn run(cli: Cli) -> Result<()> {
                 &prompt_ids.0,
                 path
             ))?;
-            println!("{}", serde_json::json!({ "logits": logits }));
+            print_out(&format!("{}\n", serde_json::json!({ "logits": logits })))?;
         }
         Command::Serve(args) => serve(args)?,
         Command::Tokenize { model } => {
             let tokenizer = Tokenizer::from_model_dir(&model)?;
             let text = read_stdin()?;
-            println!("{}", serde_json::to_string(&tokenizer.encode(&text)?)?);
+            print_out(&format!(
+                "{}\n",
+                serde_json::to_string(&tokenizer.encode(&text)?)?
+            ))?;
         }
         Command::Convert {
             model,
@@ -384,7 +404,7 @@ fn run(cli: Cli) -> Result<()> {
                 .as_object_mut()
                 .context("stdin must hold one JSON object")?;
             obj.entry("add_generation_prompt").or_insert(true.into());
-            print!("{}", template.render(&context)?);
+            print_out(&template.render(&context)?)?;
         }
         #[cfg(feature = "cuda")]
         Command::Kernels { check, config } => {
@@ -507,12 +527,12 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
         }
         Ok(())
     })?;
+    drop(stdout);
     if args.json {
-        println!("{}", serde_json::to_string(&result)?);
+        print_out(&format!("{}\n", serde_json::to_string(&result)?))
     } else {
-        println!();
+        print_out("\n")
     }
-    Ok(())
 }
 
 /// Default `serve --prefill-chunk` per device: short on the CPU so that decode steps of other

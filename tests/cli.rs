@@ -85,3 +85,25 @@ fn bad_token_ids_are_named() {
         &["99999999", "vocabulary"],
     );
 }
+
+/// A reader that stops early (`lily logits ... | head`) ends the command quietly, with the
+/// status of a process ended by SIGPIPE, not a panic (`println!` panicked on the failed write).
+/// Here the reader closes its end before any output comes.
+#[test]
+fn output_into_a_closed_pipe_stops_quietly() {
+    use std::process::Stdio;
+    let model = fixture();
+    let ids: Vec<String> = (1..=200).map(|i| (i % 200).to_string()).collect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(["logits", "--model", model.to_str().unwrap()])
+        .args(["--prompt-ids", &ids.join(",")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
