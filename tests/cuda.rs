@@ -558,9 +558,41 @@ fn single_token_prefill_chunks_hand_their_conv_inputs_to_decode() {
     }
 }
 
+/// Rows whose routing on the CPU is this close to a tie (`CpuBackend::routing_margins`) are
+/// left out of `prefill_then_decode_against_cpu`'s comparisons: there the GPU's rounding may
+/// pick the other expert, which moves that row's logits by 3-9% on these models (a jump no
+/// tolerance covers) and the rows after it far less. The layouts test found such a row, a margin
+/// of 7.6e-4, among its 280 routings on a 70-token prompt.
+const NEAR_TIE: f32 = 1e-2;
+
+/// `relative_error` over the rows of `vocab` logits whose routing margin is at least NEAR_TIE,
+/// against the largest |logit| of every row; and how many rows it left out.
+fn decisive_relative_error(
+    got: &[f32],
+    want: &[f32],
+    vocab: usize,
+    margins: &[f32],
+) -> (f32, usize) {
+    assert_eq!(got.len(), want.len());
+    assert_eq!(want.len(), vocab * margins.len());
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let mut left_out = 0;
+    let mut worst = 0.0f32;
+    for ((g, w), &margin) in got.chunks(vocab).zip(want.chunks(vocab)).zip(margins) {
+        if margin < NEAR_TIE {
+            left_out += 1;
+            continue;
+        }
+        for (a, b) in g.iter().zip(w) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    (worst / scale, left_out)
+}
+
 /// Prefills `prompt` (logits for `which`) on the GPU and on the CPU, then takes `steps` greedy
 /// decode steps from the states prefill left; at every stage the GPU's logits must stay within
-/// SPREADS calibrated bf16 spreads of the CPU's.
+/// SPREADS calibrated bf16 spreads of the CPU's, on the rows whose routing is not a near tie.
 fn prefill_then_decode_against_cpu(
     model: &Arc<Model>,
     gpu: &CudaBackend,
@@ -581,9 +613,17 @@ fn prefill_then_decode_against_cpu(
     let mut spread_logits = cpu_bf16.prefill(&mut c16, prompt, which).unwrap();
     let mut got = gpu.prefill(&mut g, prompt, which).unwrap();
     for step in 0..steps {
-        let spread = relative_error(&spread_logits, &want);
-        let err = relative_error(&got, &want);
-        println!("{label}: step {step}: GPU error {err:.2e}, bf16 spread {spread:.2e}");
+        let mut margins = cpu.routing_margins();
+        if which == LogitsFor::Last && step == 0 {
+            margins = margins.split_off(margins.len() - 1);
+        }
+        let (spread, _) = decisive_relative_error(&spread_logits, &want, vocab, &margins);
+        let (err, left_out) = decisive_relative_error(&got, &want, vocab, &margins);
+        println!(
+            "{label}: step {step}: GPU error {err:.2e}, bf16 spread {spread:.2e} \
+             ({left_out} of {} rows left out as near routing ties)",
+            margins.len()
+        );
         assert!(
             err <= SPREADS * spread,
             "{label}: step {step}: error {err} above {SPREADS} x spread {spread}"

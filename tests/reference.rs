@@ -206,3 +206,75 @@ fn prefill_equals_decode_for_other_layouts() {
         assert!(err < TOLERANCE, "{layout}: {err}");
     }
 }
+
+/// `CpuBackend::routing_margins`: a row per token of the last call, the same on both paths; zero
+/// where two experts' router rows are equal (a tie at the top-1 boundary), positive and at most 2
+/// (the gap of two logits over the larger |logit|) otherwise, infinite where every expert is
+/// chosen.
+#[test]
+fn routing_margins_measure_the_gap_at_the_top_k_boundary() {
+    use lily::checkpoint::Checkpoint;
+    use lily::model::demo::random_safetensors;
+    let margins_of = |experts: usize, top_k: usize, tie: bool| {
+        let mut config = demo_config_json();
+        config["num_experts"] = experts.into();
+        config["num_experts_per_tok"] = top_k.into();
+        let config = ModelConfig::from_json_str(&config.to_string()).unwrap();
+        let bytes = random_safetensors(&config).unwrap();
+        let bytes = if tie {
+            // Every layer's router row of expert 1 made a copy of expert 0's.
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+                .tensors()
+                .into_iter()
+                .map(|(name, t)| (name, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+                .collect();
+            for (name, _, shape, data) in &mut tensors {
+                if name.ends_with("mlp.gate.weight") {
+                    let row = data.len() / shape[0];
+                    let first = data[..row].to_vec();
+                    data[row..2 * row].copy_from_slice(&first);
+                }
+            }
+            let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+                .iter()
+                .map(|(name, dtype, shape, data)| {
+                    let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data);
+                    (name.clone(), view.unwrap())
+                })
+                .collect();
+            safetensors::serialize(views, None).unwrap()
+        } else {
+            bytes
+        };
+        let checkpoint = Checkpoint::from_memory("routing ties", &bytes).unwrap();
+        let model = Model::from_checkpoint(config, &checkpoint).unwrap();
+        let b = CpuBackend::new(Arc::new(model));
+        let prompt = [3u32, 9, 27, 81, 243, 17, 51];
+        let mut state = b.new_state().unwrap();
+        b.prefill(&mut state, &prompt, LogitsFor::Last).unwrap();
+        let prefilled = b.routing_margins();
+        let mut state = b.new_state().unwrap();
+        let decoded: Vec<f32> = prompt
+            .iter()
+            .flat_map(|&t| {
+                b.decode(&mut [&mut state], &[t]).unwrap();
+                b.routing_margins()
+            })
+            .collect();
+        assert_eq!(prefilled.len(), prompt.len());
+        assert_eq!(decoded.len(), prompt.len());
+        for (p, d) in prefilled.iter().zip(&decoded) {
+            assert!(
+                p == d || (p - d).abs() < 1e-4,
+                "prefill {p} against decode {d}"
+            );
+        }
+        prefilled
+    };
+    let drawn = margins_of(8, 2, false);
+    assert!(drawn.iter().all(|&m| m > 0.0 && m <= 2.0), "{drawn:?}");
+    assert!(margins_of(2, 1, true).iter().all(|&m| m == 0.0));
+    assert!(margins_of(2, 1, false).iter().all(|&m| m > 0.0 && m <= 2.0));
+    assert!(margins_of(4, 4, false).iter().all(|m| m.is_infinite()));
+}

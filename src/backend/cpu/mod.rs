@@ -11,7 +11,7 @@ mod deltanet;
 mod moe;
 mod ops;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::{Result, ensure};
 
@@ -27,6 +27,7 @@ use crate::model::{Mixer, Model};
 pub struct CpuBackend {
     model: Arc<Model>,
     bf16_activations: bool,
+    routing_margins: Mutex<Vec<f32>>,
 }
 
 impl CpuBackend {
@@ -34,6 +35,7 @@ impl CpuBackend {
         Self {
             model,
             bf16_activations: false,
+            routing_margins: Mutex::default(),
         }
     }
 
@@ -43,7 +45,27 @@ impl CpuBackend {
         Self {
             model,
             bf16_activations: true,
+            routing_margins: Mutex::default(),
         }
+    }
+
+    /// For each token row of the last prefill or decode call: its narrowest routing margin over
+    /// the MoE layers, the gap between the router logits of the last expert chosen and the first
+    /// left out, relative to the row's largest |logit|. A backend whose rounding differs by more
+    /// than that may route the token to another expert, a jump no float tolerance covers, so
+    /// comparisons against this backend leave such rows out.
+    pub fn routing_margins(&self) -> Vec<f32> {
+        self.routing_margins
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn record_routing_margins(&self, margins: Vec<f32>) {
+        *self
+            .routing_margins
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = margins;
     }
 
     /// RMSNorm of the rows of `x`, rounded to bf16 in the calibration variant.
@@ -74,11 +96,12 @@ impl CpuBackend {
         x
     }
 
-    /// The MoE half of layer `l`, with its residual, over `n` rows.
-    fn feed_forward(&self, l: usize, x: &mut [f32], n: usize) {
+    /// The MoE half of layer `l`, with its residual, over `n` rows (lowering `margins`, see
+    /// `routing_margins`).
+    fn feed_forward(&self, l: usize, x: &mut [f32], n: usize, margins: &mut [f32]) {
         let (c, layer) = (&self.model.config, &self.model.layers[l]);
         let h = self.norm(x, &layer.post_attention_norm);
-        add_in_place(x, &moe::forward(c, &layer.moe, &h, n));
+        add_in_place(x, &moe::forward(c, &layer.moe, &h, n, margins));
     }
 
     /// Final norm and lm_head over `n` rows.
@@ -114,6 +137,7 @@ impl Backend for CpuBackend {
         let (m, c) = (&self.model, &self.model.config);
         let n = tokens.len();
         let mut x = self.embed(tokens);
+        let mut margins = vec![f32::INFINITY; n];
         for (l, layer) in m.layers.iter().enumerate() {
             let h = self.norm(&x, &layer.input_norm);
             let mixed = match (&layer.mixer, &mut state.layers[l]) {
@@ -126,8 +150,9 @@ impl Backend for CpuBackend {
                 _ => anyhow::bail!("sequence state does not match layer {l} of the model"),
             };
             add_in_place(&mut x, &mixed);
-            self.feed_forward(l, &mut x, n);
+            self.feed_forward(l, &mut x, n, &mut margins);
         }
+        self.record_routing_margins(margins);
         state.position += n;
         Ok(match which {
             LogitsFor::All => self.logits(x, n),
@@ -150,6 +175,7 @@ impl Backend for CpuBackend {
         let n = tokens.len();
         let hd = c.hidden_size;
         let mut x = self.embed(tokens);
+        let mut margins = vec![f32::INFINITY; n];
         for (l, layer) in m.layers.iter().enumerate() {
             let h = self.norm(&x, &layer.input_norm);
             let mixed = match &layer.mixer {
@@ -184,8 +210,9 @@ impl Backend for CpuBackend {
                 }
             };
             add_in_place(&mut x, &mixed);
-            self.feed_forward(l, &mut x, n);
+            self.feed_forward(l, &mut x, n, &mut margins);
         }
+        self.record_routing_margins(margins);
         for s in states.iter_mut() {
             s.position += 1;
         }

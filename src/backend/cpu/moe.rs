@@ -5,10 +5,17 @@ use super::ops::{matmul, sigmoid, softmax_in_place, swiglu_in_place};
 use crate::config::ModelConfig;
 use crate::model::{FeedForward, MoeWeights};
 
-/// The MoE block over `n` rows `x`; returns `[n, hidden]`.
-pub fn forward(c: &ModelConfig, w: &MoeWeights, x: &[f32], n: usize) -> Vec<f32> {
+/// The MoE block over `n` rows `x`; returns `[n, hidden]`. Lowers `margins[row]` to the row's
+/// routing margin where that is narrower (see `route`).
+pub fn forward(
+    c: &ModelConfig,
+    w: &MoeWeights,
+    x: &[f32],
+    n: usize,
+    margins: &mut [f32],
+) -> Vec<f32> {
     let h = c.hidden_size;
-    let routes = route(c, w, x, n);
+    let routes = route(c, w, x, n, margins);
 
     // Group rows by expert so each expert's weights are read once for all its rows.
     let mut rows_of: Vec<Vec<(usize, f32)>> = vec![Vec::new(); c.num_experts];
@@ -49,18 +56,33 @@ pub fn forward(c: &ModelConfig, w: &MoeWeights, x: &[f32], n: usize) -> Vec<f32>
     out
 }
 
-/// Router: softmax over all experts in f32, the top `k`, renormalised to sum to one.
-fn route(c: &ModelConfig, w: &MoeWeights, x: &[f32], n: usize) -> Vec<Vec<(usize, f32)>> {
+/// Router: softmax over all experts in f32, the top `k`, renormalised to sum to one. Lowers
+/// `margins[row]` to the row's routing margin where that is narrower: the gap between the
+/// router logits of the last expert chosen and the first left out, over the row's largest
+/// |logit| (infinite where every expert is chosen).
+fn route(
+    c: &ModelConfig,
+    w: &MoeWeights,
+    x: &[f32],
+    n: usize,
+    margins: &mut [f32],
+) -> Vec<Vec<(usize, f32)>> {
     let logits = matmul(x, n, &w.router);
+    let k = c.num_experts_per_tok;
     logits
         .chunks_exact(c.num_experts)
-        .map(|row| {
+        .zip(margins.iter_mut())
+        .map(|(row, margin)| {
             let mut probs = row.to_vec();
             softmax_in_place(&mut probs);
             let mut order: Vec<usize> = (0..probs.len()).collect();
             // Highest probability first; ties go to the lower expert id.
             order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
-            order.truncate(c.num_experts_per_tok);
+            if let (Some(&last), Some(&next)) = (order.get(k - 1), order.get(k)) {
+                let largest = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                *margin = margin.min((row[last] - row[next]) / largest);
+            }
+            order.truncate(k);
             let total: f32 = order.iter().map(|&e| probs[e]).sum();
             order.into_iter().map(|e| (e, probs[e] / total)).collect()
         })
