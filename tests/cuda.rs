@@ -558,41 +558,100 @@ fn single_token_prefill_chunks_hand_their_conv_inputs_to_decode() {
     }
 }
 
-/// Rows whose routing on the CPU is this close to a tie (`CpuBackend::routing_margins`) are
-/// left out of `prefill_then_decode_against_cpu`'s comparisons: there the GPU's rounding may
-/// pick the other expert, which moves that row's logits by 3-9% on these models (a jump no
-/// tolerance covers) and the rows after it far less. The layouts test found such a row, a margin
-/// of 7.6e-4, among its 280 routings on a 70-token prompt.
+/// A row whose routing on the CPU is this close to a tie (`CpuBackend::routing_margins`) may
+/// route to another expert on the GPU, whose rounding differs: that moves the row's logits by
+/// 3-9% on these models, a jump no float tolerance covers (the rows after it move far less).
+/// Such rows are left out of the calibration spread, and excused where they exceed the
+/// tolerance. Found by the layouts test: on f32 weights (which the GPU holds in bf16) of
+/// wide-value-heads, row 17 of 70 differed by 3.1e-2 on both paths, its margin 2.5e-3 at the
+/// third MoE layer; every other row by 1.5-2.8e-3.
 const NEAR_TIE: f32 = 1e-2;
 
-/// `relative_error` over the rows of `vocab` logits whose routing margin is at least NEAR_TIE,
-/// against the largest |logit| of every row; and how many rows it left out.
-fn decisive_relative_error(
+/// How `got` compares with `want` row by row (`vocab` logits each, differences over the largest
+/// |logit| of `want`): the largest difference among the rows not excused, the calibration
+/// spread (`spread_logits`' largest difference over the rows whose routing margin is at least
+/// NEAR_TIE, or over all rows where none is), and how many rows were excused: those beyond
+/// SPREADS spreads whose margin is under NEAR_TIE.
+struct RowComparison {
+    error: f32,
+    spread: f32,
+    excused: usize,
+}
+
+fn compare_rows(
     got: &[f32],
     want: &[f32],
+    spread_logits: &[f32],
     vocab: usize,
     margins: &[f32],
-) -> (f32, usize) {
+) -> RowComparison {
     assert_eq!(got.len(), want.len());
+    assert_eq!(spread_logits.len(), want.len());
     assert_eq!(want.len(), vocab * margins.len());
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let mut left_out = 0;
-    let mut worst = 0.0f32;
-    for ((g, w), &margin) in got.chunks(vocab).zip(want.chunks(vocab)).zip(margins) {
-        if margin < NEAR_TIE {
-            left_out += 1;
-            continue;
-        }
-        for (a, b) in g.iter().zip(w) {
-            worst = worst.max((a - b).abs());
+    let row_error = |a: &[f32], row: usize| {
+        let b = &want[row * vocab..(row + 1) * vocab];
+        let a = &a[row * vocab..(row + 1) * vocab];
+        a.iter()
+            .zip(b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+            / scale
+    };
+    let rows = 0..margins.len();
+    let decisive: Vec<usize> = rows.clone().filter(|&r| margins[r] >= NEAR_TIE).collect();
+    let calibration = if decisive.is_empty() {
+        rows.clone().collect()
+    } else {
+        decisive
+    };
+    let spread = calibration
+        .iter()
+        .map(|&r| row_error(spread_logits, r))
+        .fold(0.0, f32::max);
+    let (mut error, mut excused) = (0.0f32, 0);
+    for r in rows {
+        let e = row_error(got, r);
+        if e > SPREADS * spread && margins[r] < NEAR_TIE {
+            excused += 1;
+        } else {
+            error = error.max(e);
         }
     }
-    (worst / scale, left_out)
+    RowComparison {
+        error,
+        spread,
+        excused,
+    }
+}
+
+/// `compare_rows` excuses a row beyond the tolerance only where its routing is a near tie, and
+/// calibrates on the decisive rows alone.
+#[test]
+fn row_comparison_excuses_only_near_ties_beyond_the_tolerance() {
+    let want = [2.0, 0.0, 0.0, 2.0, 1.0, 1.0];
+    // The bf16 run differs by 0.02 (1% of the largest logit) on row 0 and flips row 2.
+    let spread_logits = [2.02, 0.0, 0.0, 2.0, 0.0, 2.0];
+    let margins = [0.5, 0.5, 1e-3];
+    let close = |a: f32, b: f32| (a - b).abs() < 1e-6;
+    let c = compare_rows(&want, &want, &spread_logits, 2, &margins);
+    assert!(c.error == 0.0 && close(c.spread, 0.01) && c.excused == 0);
+    // A jump on the near tie is excused; within the tolerance it still counts.
+    let got = [2.0, 0.0, 0.0, 2.0, 2.0, 0.0];
+    let c = compare_rows(&got, &want, &spread_logits, 2, &margins);
+    assert!(c.error == 0.0 && c.excused == 1);
+    let got = [2.0, 0.0, 0.0, 2.0, 1.02, 1.0];
+    let c = compare_rows(&got, &want, &spread_logits, 2, &margins);
+    assert!(close(c.error, 0.01) && c.excused == 0);
+    // The same jump on a decisive row is not.
+    let got = [2.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+    let c = compare_rows(&got, &want, &spread_logits, 2, &margins);
+    assert!(close(c.error, 0.5) && c.excused == 0);
 }
 
 /// Prefills `prompt` (logits for `which`) on the GPU and on the CPU, then takes `steps` greedy
 /// decode steps from the states prefill left; at every stage the GPU's logits must stay within
-/// SPREADS calibrated bf16 spreads of the CPU's, on the rows whose routing is not a near tie.
+/// SPREADS calibrated bf16 spreads of the CPU's (`compare_rows`: rows whose routing is a near tie
+/// are excused).
 fn prefill_then_decode_against_cpu(
     model: &Arc<Model>,
     gpu: &CudaBackend,
@@ -617,16 +676,19 @@ fn prefill_then_decode_against_cpu(
         if which == LogitsFor::Last && step == 0 {
             margins = margins.split_off(margins.len() - 1);
         }
-        let (spread, _) = decisive_relative_error(&spread_logits, &want, vocab, &margins);
-        let (err, left_out) = decisive_relative_error(&got, &want, vocab, &margins);
+        let RowComparison {
+            error,
+            spread,
+            excused,
+        } = compare_rows(&got, &want, &spread_logits, vocab, &margins);
         println!(
-            "{label}: step {step}: GPU error {err:.2e}, bf16 spread {spread:.2e} \
-             ({left_out} of {} rows left out as near routing ties)",
+            "{label}: step {step}: GPU error {error:.2e}, bf16 spread {spread:.2e}, {excused} of {} \
+             rows excused as near routing ties",
             margins.len()
         );
         assert!(
-            err <= SPREADS * spread,
-            "{label}: step {step}: error {err} above {SPREADS} x spread {spread}"
+            error <= SPREADS * spread,
+            "{label}: step {step}: error {error} above {SPREADS} x spread {spread}"
         );
         let next = argmax(&want[want.len() - vocab..]);
         want = cpu.decode(&mut [&mut c], &[next]).unwrap();
