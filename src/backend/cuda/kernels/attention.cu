@@ -30,10 +30,15 @@ __device__ __forceinline__ int attention_proj_width(const AttentionDims& d) {
 // for tokens at positions position[0] + t, t = blockIdx.y (proj and q_out rows one per token);
 // batched, row blockIdx.y is the token of sequence blockIdx.y of the tables.
 // Launch: (heads + kv_heads, tokens) blocks of head_dim threads.
+// The next kernel (attention_split, or attention_prefill) may start before this one waits for
+// the qkv projection: before its own wait it reads only the positions and the cache rows of
+// earlier steps. So attention_split's blocks become resident, and request the cached keys and
+// values, as the projection's blocks leave, where they would otherwise wait for all of them.
 extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDims d, const float* proj, const float* q_norm,
                                              const float* k_norm, const int* position, float* q_out,
                                              bf16* k_cache, bf16* v_cache, AttentionSeqs seqs) {
     TRACE_BLOCK();
+    let_next_kernel_start();
     wait_for_previous_kernel();
     __shared__ float scratch[32];
     extern __shared__ float head[];

@@ -148,7 +148,8 @@ struct BlockTrace {
 // whatever was written two or more launches back (decode reads residual rows, cached keys and
 // values, the MoE's input that way), provided some block of the previous kernel waits (the next
 // launch starts once every block has waited or exited, so a kernel whose blocks all exited
-// without waiting would let it start early). Both are no-ops for an ordinary launch.
+// without waiting would let it start early, as let_next_kernel_start below does on purpose).
+// Both are no-ops for an ordinary launch.
 __device__ __forceinline__ void wait_for_previous_kernel() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #ifdef LILY_TRACE_BUF
@@ -156,6 +157,12 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
     asm volatile("griddepcontrol.launch_dependents;" :::);
 }
+
+// Lets the next kernel start now, before this one waits: only for a kernel whose successor reads
+// before its own wait nothing the previous kernel writes (its successor may then run beside the
+// previous kernel), so that the successor's blocks become resident, and request what they can,
+// as the previous kernel's blocks leave rather than once it has finished.
+__device__ __forceinline__ void let_next_kernel_start() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
 // With the approximate reciprocal (2 ulp): an IEEE division is a dozen instructions, and these sit
 // on the decode kernels' short critical paths. A denominator overflowing to infinity gives 0.
