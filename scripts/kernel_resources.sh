@@ -3,7 +3,8 @@
 # kernels with NVRTC (`lily kernels --check`, into a fresh cache directory) and runs ptxas -v on
 # each module's PTX for sm_90a. Whether a kernel's blocks fit on an SM beside the previous
 # kernel's (and so request their data before it ends) follows from these numbers.
-#   scripts/kernel_resources.sh [PATTERN]   (PATTERN: a grep -E filter on kernel names)
+#   scripts/kernel_resources.sh [PATTERN]   (PATTERN: a grep -E filter on the lines, so on kernel
+#   and module names, e.g. 'moe_down .*bits_8')
 # Needs the CUDA build (cargo build --release --features cuda --target-dir target/cuda) and
 # installs NVRTC and ptxas from PyPI into .venv.
 set -euo pipefail
@@ -15,14 +16,19 @@ fi
     "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-nvcc==13.0.*"
 cuda_root="$(.venv/bin/python -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')"
 cache="$(mktemp -d)"
-trap 'rm -rf "$cache"' EXIT
+ptx_dir="$(mktemp -d)"
+trap 'rm -rf "$cache" "$ptx_dir"' EXIT
 LILY_CACHE_DIR="$cache" LD_LIBRARY_PATH="$cuda_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    CUDA_INCLUDE_DIR="$cuda_root/include" target/cuda/release/lily kernels --check >/dev/null
-for ptx in "$cache"/*.ptx; do
+    CUDA_INCLUDE_DIR="$cuda_root/include" target/cuda/release/lily kernels --check \
+    --ptx-dir "$ptx_dir" >/dev/null
+# One line per kernel and module variant (the PTX file's name: module, then the shape and the
+# experts' format it was compiled for, or `fp16_scales` / `traced`).
+for ptx in "$ptx_dir"/*.ptx; do
     "$cuda_root/bin/ptxas" -arch=sm_90a -v "$ptx" -o /dev/null 2>&1 |
-        awk '/Compiling entry function/ { name = $7; gsub(/\047/, "", name) }
+        awk -v module="$(basename "$ptx" .ptx)" '
+             /Compiling entry function/ { name = $7; gsub(/\047/, "", name) }
              /spill stores/ { spills = $5 }
              /Used [0-9]+ registers/ {
                  smem = match($0, /[0-9]+ bytes smem/) ? substr($0, RSTART, RLENGTH - 11) : 0
-                 printf "%-28s %4s registers %5s B spilled %7s B static shared\n", name, $5, spills, smem }'
+                 printf "%-28s %4s registers %5s B spilled %7s B static shared  %s\n", name, $5, spills, smem, module }'
 done | grep -E "${1:-.}" | sort

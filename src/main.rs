@@ -65,6 +65,10 @@ enum Command {
         /// as well (repeatable; the family's full-size models always are).
         #[arg(long, requires = "check")]
         config: Vec<PathBuf>,
+        /// Also write each compiled module's PTX into this folder, named by module and variant
+        /// (what scripts/kernel_resources.sh reads registers from).
+        #[arg(long, requires = "check")]
+        ptx_dir: Option<PathBuf>,
     },
     /// Measure prefill and decode speed on the GPU.
     #[cfg(feature = "cuda")]
@@ -407,7 +411,11 @@ fn run(cli: Cli) -> Result<()> {
             print_out(&template.render(&context)?)?;
         }
         #[cfg(feature = "cuda")]
-        Command::Kernels { check, config } => {
+        Command::Kernels {
+            check,
+            config,
+            ptx_dir,
+        } => {
             anyhow::ensure!(check, "use `lily kernels --check`");
             let configs = config
                 .iter()
@@ -418,7 +426,7 @@ fn run(cli: Cli) -> Result<()> {
                     ))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            lily::backend::cuda::kernels::check_all(&configs)?;
+            lily::backend::cuda::kernels::check_all(&configs, ptx_dir.as_deref())?;
         }
         #[cfg(feature = "cuda")]
         Command::Bench {

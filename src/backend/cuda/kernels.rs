@@ -235,8 +235,9 @@ pub fn experiment_defines() -> Vec<String> {
 
 /// `lily kernels --check`: compiles every module without the cache; reports and fails on errors.
 /// The shape-specialised modules are compiled for the family's full-size models and for
-/// `configs` (name, config).
-pub fn check_all(configs: &[(String, ModelConfig)]) -> Result<()> {
+/// `configs` (name, config). With `ptx_dir`, each module's PTX is also written there, named
+/// `module_variant.ptx` (`ptx_file_name`).
+pub fn check_all(configs: &[(String, ModelConfig)], ptx_dir: Option<&Path>) -> Result<()> {
     require_nvrtc()?;
     let mut failed = Vec::new();
     // Every module as loaded (scales and biases in bf16, and in fp16), and with the block
@@ -306,12 +307,19 @@ pub fn check_all(configs: &[(String, ModelConfig)]) -> Result<()> {
         .collect();
     for ((_, variant, (name, _)), (result, took)) in jobs.iter().zip(results) {
         let result = result.and_then(|ptx| {
-            let missing = missing_kernels(name, &ptx.to_src());
+            let src = ptx.to_src();
+            let missing = missing_kernels(name, &src);
             ensure!(
                 missing.is_empty(),
                 "kernels the backend loads are not defined: {}",
                 missing.join(", ")
             );
+            if let Some(dir) = ptx_dir {
+                let path = dir.join(ptx_file_name(name, variant));
+                std::fs::create_dir_all(dir)
+                    .and_then(|()| std::fs::write(&path, src))
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+            }
             Ok(())
         });
         match result {
@@ -331,6 +339,21 @@ pub fn check_all(configs: &[(String, ModelConfig)]) -> Result<()> {
     }
     println!("all {} kernel modules compiled for {ARCH}", MODULES.len());
     Ok(())
+}
+
+/// `module_variant.ptx` for a module and its variant's description (` (fp16 scales)`, ` (Qwen3.6-35B-A3B
+/// shape, experts Bf16)`), everything but letters, digits, `.` and `-` made `_` and runs of them
+/// one.
+fn ptx_file_name(module: &str, variant: &str) -> String {
+    let mut name = String::new();
+    for c in format!("{module} {variant}").chars() {
+        if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+            name.push(c);
+        } else if !name.ends_with('_') {
+            name.push('_');
+        }
+    }
+    format!("{}.ptx", name.trim_end_matches('_'))
 }
 
 /// Defines of one module only (the model's shapes it is compiled for): (module, defines).
@@ -378,6 +401,29 @@ pub fn recompile(name: &str, defines: &[String], per_module: &ModuleDefines) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ptx_files_are_named_by_module_and_variant() {
+        assert_eq!(ptx_file_name("moe", ""), "moe.ptx");
+        assert_eq!(
+            ptx_file_name("moe", " (fp16 scales)"),
+            "moe_fp16_scales.ptx"
+        );
+        assert_eq!(
+            ptx_file_name(
+                "moe",
+                " (Qwen3.6-35B-A3B shape, experts Affine { bits: 8, group: 32 })"
+            ),
+            "moe_Qwen3.6-35B-A3B_shape_experts_Affine_bits_8_group_32.ptx"
+        );
+        assert_eq!(
+            ptx_file_name(
+                "deltanet",
+                " (tests/data/layouts/top1-tied.json shape, experts Bf16)"
+            ),
+            "deltanet_tests_data_layouts_top1-tied.json_shape_experts_Bf16.ptx"
+        );
+    }
 
     #[test]
     fn kernels_the_backend_loads_must_be_in_the_module() {
