@@ -16,7 +16,9 @@ use lily::backend::{Backend, DeviceDraw, LogitsFor, argmax};
 use lily::checkpoint::DType;
 use lily::config::ModelConfig;
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
-use lily::model::demo::{demo_config_json, random_model, random_safetensors};
+use lily::model::demo::{
+    demo_config_json, random_model, random_safetensors, random_safetensors_in,
+};
 use lily::model::{Model, Storage};
 use lily::quant::QuantSpec;
 
@@ -744,31 +746,8 @@ fn random_shape_matches_the_cpu(
 /// the largest logit on the layouts test's models, ten times what it does on bf16 weights), and
 /// routes more rows differently.
 fn bf16_random_model(config: ModelConfig) -> Model {
-    use safetensors::tensor::TensorView;
-    let bytes = random_safetensors(&config).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, t)| {
-            assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
-            let data = t
-                .data()
-                .chunks_exact(4)
-                .flat_map(|b| {
-                    let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    half::bf16::from_f32(v).to_le_bytes()
-                })
-                .collect();
-            (name, t.shape().to_vec(), data)
-        })
-        .collect();
-    let views = tensors.iter().map(|(name, shape, data)| {
-        let view = TensorView::new(safetensors::Dtype::BF16, shape.clone(), data).unwrap();
-        (name.clone(), view)
-    });
-    let bf16 = safetensors::serialize(views, None).unwrap();
-    let checkpoint = lily::checkpoint::Checkpoint::from_memory("bf16 random", &bf16).unwrap();
+    let bytes = random_safetensors_in(&config, DType::BF16).unwrap();
+    let checkpoint = lily::checkpoint::Checkpoint::from_memory("bf16 random", &bytes).unwrap();
     Model::from_checkpoint(config, &checkpoint).unwrap()
 }
 

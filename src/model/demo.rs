@@ -11,11 +11,10 @@
 use anyhow::{Context, Result};
 use rand_chacha::ChaCha20Rng;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
-use safetensors::Dtype;
 use serde_json::{Value, json};
 
 use super::Model;
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, DType, convert_from_f32};
 use crate::config::{LayerKind, ModelConfig};
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::{Tokenizer, byte_level_char};
@@ -132,6 +131,12 @@ impl Draw {
 /// [`random_model`]'s weights as one safetensors file (f32) under the Hugging Face text-only
 /// names: with its config.json, a checkpoint directory `lily convert` takes.
 pub fn random_safetensors(c: &ModelConfig) -> Result<Vec<u8>> {
+    random_safetensors_in(c, DType::F32)
+}
+
+/// [`random_safetensors`] with every tensor stored in `dtype` (rounded to nearest-even), as
+/// real checkpoints store theirs in bf16.
+pub fn random_safetensors_in(c: &ModelConfig, dtype: DType) -> Result<Vec<u8>> {
     let mut draw = Draw(ChaCha20Rng::seed_from_u64(SEED));
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     let h = c.hidden_size;
@@ -266,12 +271,16 @@ pub fn random_safetensors(c: &ModelConfig) -> Result<Vec<u8>> {
 
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .into_iter()
-        .map(|(name, shape, values)| (name, shape, bytemuck::cast_slice(&values).to_vec()))
+        .map(|(name, shape, values)| {
+            let mut data = Vec::new();
+            convert_from_f32(dtype, &values, &mut data);
+            (name, shape, data)
+        })
         .collect();
     let views = bytes
         .iter()
         .map(|(name, shape, data)| {
-            safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), data)
+            safetensors::tensor::TensorView::new(dtype.safetensors(), shape.clone(), data)
                 .map(|view| (name.as_str(), view))
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -335,6 +344,31 @@ mod tests {
     use crate::backend::cpu::CpuBackend;
     use crate::backend::{Backend, LogitsFor};
     use std::sync::Arc;
+
+    #[test]
+    fn random_weights_stored_in_bf16_are_the_f32_ones_rounded() {
+        let c = ModelConfig::from_json_str(&demo_config_json().to_string()).unwrap();
+        let f32_bytes = random_safetensors(&c).unwrap();
+        let bf16_bytes = random_safetensors_in(&c, DType::BF16).unwrap();
+        let (wide, narrow) = (
+            safetensors::SafeTensors::deserialize(&f32_bytes).unwrap(),
+            safetensors::SafeTensors::deserialize(&bf16_bytes).unwrap(),
+        );
+        assert_eq!(wide.names().len(), narrow.names().len());
+        for (name, t) in wide.tensors() {
+            let n = narrow.tensor(&name).unwrap();
+            assert_eq!(
+                (n.dtype(), n.shape()),
+                (safetensors::Dtype::BF16, t.shape())
+            );
+            let mut want = vec![0.0f32; t.data().len() / 4];
+            crate::checkpoint::convert_to_f32(DType::F32, t.data(), &mut want);
+            crate::checkpoint::round_to(DType::BF16, &mut want);
+            let mut got = vec![0.0f32; want.len()];
+            crate::checkpoint::convert_to_f32(DType::BF16, n.data(), &mut got);
+            assert_eq!(got, want, "{name}");
+        }
+    }
 
     #[test]
     fn the_tokenizer_round_trips_any_text_and_knows_the_qwen_tokens() {
