@@ -161,17 +161,40 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let start = Instant::now();
     let logits = backend.prefill(&mut state, &prompt, LogitsFor::Last)?;
     let prefill_s = start.elapsed().as_secs_f64();
-    let mut token = crate::backend::argmax(&logits);
+    let first = crate::backend::argmax(&logits);
 
-    // The first decode step captures the graph: keep it out of the timing.
-    token = backend.decode_greedy(&mut [&mut state], &[token])?[0];
+    // The first decode step captures the graph: keep it out of the timing. Then the decode as
+    // `lily generate` runs it, each step queued before the previous one's id is read back.
+    let token = backend.decode_greedy(&mut [&mut state], &[first])?[0];
+    backend.synchronize()?;
+    let mut last = token;
+    let mut left = args.generate - 1;
+    let start = Instant::now();
+    if left > 0 {
+        backend.decode_greedy_run(state, token, &mut |id| {
+            last = id;
+            left -= 1;
+            Ok(left > 0)
+        })?;
+    }
+    let decode_s = start.elapsed().as_secs_f64();
+    let decode_tok_s = (args.generate - 1) as f64 / decode_s;
+
+    // The same steps one at a time, each id read back before the next step is queued (as the
+    // server's scheduler steps), on the same prompt again; the diagnostics below use its state.
+    let mut state = backend.new_state()?;
+    backend.prefill(&mut state, &prompt, LogitsFor::Last)?;
+    let mut token = backend.decode_greedy(&mut [&mut state], &[first])?[0];
     backend.synchronize()?;
     let start = Instant::now();
     for _ in 1..args.generate {
         token = backend.decode_greedy(&mut [&mut state], &[token])?[0];
     }
-    let decode_s = start.elapsed().as_secs_f64();
-    let decode_tok_s = (args.generate - 1) as f64 / decode_s;
+    let stepwise_tok_s = (args.generate - 1) as f64 / start.elapsed().as_secs_f64();
+    ensure!(
+        args.generate == 1 || token == last,
+        "the pipelined decode chose {last} as its last token but the step-by-step one {token}"
+    );
     let critical = if args.critical_path > 0 {
         Some(backend.decode_critical_path(&mut [&mut state], args.critical_path)?)
     } else {
@@ -294,7 +317,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         split_s * 1e3
     );
     println!(
-        "decode             {decode_tok_s:.1} tok/s at ~{context} context ({:.3} ms/token)",
+        "decode             {decode_tok_s:.1} tok/s at ~{context} context ({:.3} ms/token; \
+         {stepwise_tok_s:.1} tok/s with each id read back before the next step)",
         1e3 / decode_tok_s
     );
     println!(
@@ -340,6 +364,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 .collect::<serde_json::Map<_, _>>(),
             "decode_tokens": args.generate,
             "decode_tok_s": decode_tok_s,
+            "decode_stepwise_tok_s": stepwise_tok_s,
             "decode_bytes_per_token": bytes,
             "decode_gb_s": achieved / 1e9,
             "copy_gb_s": copy_bw / 1e9,
@@ -349,7 +374,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "gpu_memory_scratch_gb": memory.scratch as f64 / 1e9,
             "device_memory_in_use_gb": device_in_use as f64 / 1e9,
             "weights_gb": backend.weight_bytes() as f64 / 1e9,
-            "last_token": token,
+            "last_token": last,
             "batch": args.batch,
             "batch_decode_tok_s": batched.as_ref().map(BatchedDecode::tok_s),
             "batch_step_ms": batched.as_ref().map(BatchedDecode::step_ms),

@@ -144,6 +144,69 @@ fn device_argmax_matches_host_argmax_and_forks_continue_identically() {
     gpu.new_state().expect("a dropped state frees its slot");
 }
 
+/// The pipelined greedy run (each step queued before the previous id is read back) passes the
+/// ids step-by-step decoding chooses, stops when told, and ends at the context limit with the
+/// same ids and the same error.
+#[test]
+fn pipelined_greedy_runs_choose_the_step_by_step_ids() {
+    let dir = &fixtures()[0];
+    let model = Model::load(dir).unwrap();
+    let prompt = &prompts(dir)[0];
+    let max_context = prompt.len() + 12;
+    let gpu = CudaBackend::new(
+        &model,
+        CudaOptions {
+            max_context,
+            max_sequences: 2,
+            use_graphs: true,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        },
+    )
+    .unwrap();
+    let prefilled = |gpu: &CudaBackend| {
+        let mut state = gpu.new_state().unwrap();
+        let first = argmax(&gpu.prefill(&mut state, prompt, LogitsFor::Last).unwrap());
+        (state, first)
+    };
+    let (mut state, first) = prefilled(&gpu);
+    let mut stepwise = Vec::new();
+    let mut token = first;
+    let limit = loop {
+        match gpu.decode_greedy(&mut [&mut state], &[token]) {
+            Ok(ids) => token = ids[0],
+            Err(e) => break e.to_string(),
+        }
+        stepwise.push(token);
+    };
+    drop(state);
+    assert_eq!(stepwise.len(), max_context - prompt.len());
+    assert!(limit.contains("context limit"), "{limit}");
+
+    for wanted in [1, 2, 5] {
+        let (state, first) = prefilled(&gpu);
+        let mut ids = Vec::new();
+        gpu.decode_greedy_run(state, first, &mut |id| {
+            ids.push(id);
+            Ok(ids.len() < wanted)
+        })
+        .unwrap();
+        assert_eq!(ids, stepwise[..wanted], "a run stopped after {wanted} ids");
+    }
+    let (state, first) = prefilled(&gpu);
+    let mut ids = Vec::new();
+    let err = gpu
+        .decode_greedy_run(state, first, &mut |id| {
+            ids.push(id);
+            Ok(true)
+        })
+        .unwrap_err();
+    assert_eq!(ids, stepwise, "a run to the context limit");
+    assert_eq!(err.to_string(), limit);
+    // The run gave its slot back: both slots are free again.
+    let _a = gpu.new_state().unwrap();
+    let _b = gpu.new_state().unwrap();
+}
+
 /// A cached module the driver cannot load (a damaged file) is compiled again, not an error.
 #[test]
 fn damaged_kernel_cache_entries_are_compiled_again() {

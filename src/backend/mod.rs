@@ -85,6 +85,25 @@ pub trait Backend {
             .map(argmax)
             .collect())
     }
+
+    /// Decodes one sequence greedily to its end: appends `token`, passes the chosen id to
+    /// `on_token`, and while that returns `Ok(true)` appends the id and goes on. It takes the
+    /// state because a backend may already have appended the last id passed when `on_token`
+    /// says stop: the CUDA backend queues each step before reading the previous one's id back,
+    /// so that the host's round trip and `on_token`'s own work overlap the device's.
+    fn decode_greedy_run(
+        &self,
+        mut state: Self::State,
+        mut token: u32,
+        on_token: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        loop {
+            token = self.decode_greedy(&mut [&mut state], &[token])?[0];
+            if !on_token(token)? {
+                return Ok(());
+            }
+        }
+    }
 }
 
 /// Index of the largest value; ties go to the lowest index (as torch.argmax).

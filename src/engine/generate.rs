@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use serde::Serialize;
 
 use super::sampler::{Sampler, SamplingParams};
@@ -158,25 +158,38 @@ pub fn generate<B: Backend>(
     let mut id = sampler.sample(&mut logits)?.token_id;
 
     let start = Instant::now();
-    let finish = loop {
+    let mut finish = None;
+    // Records a chosen id; `false` once the sequence has ended.
+    let mut take = |id: u32| -> Result<bool> {
         let pushed = output.push(id)?;
         if !pushed.text.is_empty() {
             on_text(&pushed.text)?;
         }
-        if let Some(finish) = pushed.finish {
-            break finish;
-        }
-        id = if device_greedy {
-            backend.decode_greedy(&mut [&mut state], &[id])?[0]
-        } else if let Some(draw) = device_draws.then(|| sampler.device_draw(allowed)).flatten() {
-            let drawn = backend.decode_sample(&mut [&mut state], &[id], &[draw])?[0];
-            sampler.record(drawn);
-            drawn
-        } else {
-            let mut logits = backend.decode(&mut [&mut state], &[id])?;
-            sampler.sample(&mut logits)?.token_id
-        };
+        finish = pushed.finish;
+        Ok(finish.is_none())
     };
+    if take(id)? {
+        if device_greedy {
+            backend.decode_greedy_run(state, id, &mut take)?;
+        } else {
+            loop {
+                id = if let Some(draw) =
+                    device_draws.then(|| sampler.device_draw(allowed)).flatten()
+                {
+                    let drawn = backend.decode_sample(&mut [&mut state], &[id], &[draw])?[0];
+                    sampler.record(drawn);
+                    drawn
+                } else {
+                    let mut logits = backend.decode(&mut [&mut state], &[id])?;
+                    sampler.sample(&mut logits)?.token_id
+                };
+                if !take(id)? {
+                    break;
+                }
+            }
+        }
+    }
+    let finish = finish.context("generation ended without a finish reason")?;
     let decode_s = start.elapsed().as_secs_f64();
     let decoded = output.ids.len().saturating_sub(1);
     Ok(Generation {

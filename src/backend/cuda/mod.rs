@@ -30,7 +30,7 @@ use std::collections::hash_map::Entry;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use cudarc::driver::sys::{
     CUfunction_attribute, CUgraphInstantiate_flags, CUlaunchAttribute, CUlaunchAttributeID,
     CUlaunchAttributeValue, CUlaunchAttributeValue_union__bindgen_ty_1, CUlaunchConfig,
@@ -38,7 +38,7 @@ use cudarc::driver::sys::{
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    PinnedHostSlice, PushKernelArg,
 };
 
 use self::decode::StepSeqs;
@@ -539,7 +539,7 @@ impl Drop for CudaState {
 /// Runs a model on one CUDA device.
 pub struct CudaBackend {
     config: ModelConfig,
-    _ctx: Arc<CudaContext>,
+    ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     k: Kernels,
     model: DeviceModel,
@@ -907,7 +907,7 @@ impl CudaBackend {
         stream.synchronize()?;
         Ok(Self {
             config,
-            _ctx: ctx,
+            ctx,
             stream,
             k,
             model,
@@ -1464,23 +1464,41 @@ impl CudaBackend {
             "token id {token} is outside the vocabulary (size {})",
             self.config.vocab_size
         );
+        self.check_room(state)
+    }
+
+    /// Checks that the sequence of `state` has room for one more token.
+    fn check_room(&self, state: &CudaState) -> Result<()> {
         if state.position >= self.max_context {
-            bail!(
-                "the sequence reached the context limit of {} tokens",
-                self.max_context
-            );
+            return Err(self.context_limit());
         }
         Ok(())
+    }
+
+    fn context_limit(&self) -> anyhow::Error {
+        anyhow::anyhow!(
+            "the sequence reached the context limit of {} tokens",
+            self.max_context
+        )
     }
 
     /// Runs one decode step for the state's slot (capturing its graph on first use).
     fn step(&self, state: &mut CudaState, token: u32, end: StepEnd) -> Result<()> {
         self.check_step(state, token)?;
+        if state.device_token != Some(token) {
+            let mut slots = self.lock_slots()?;
+            self.stream
+                .memcpy_htod(&[token as i32], &mut slots[state.slot].token)?;
+        }
+        self.step_on_device_token(state, end)
+    }
+
+    /// Runs one decode step on the token the slot's device buffer holds: the one given to
+    /// [`Self::step`], or the one the previous step chose, even if it has not finished.
+    fn step_on_device_token(&self, state: &mut CudaState, end: StepEnd) -> Result<()> {
+        self.check_room(state)?;
         let mut slots = self.lock_slots()?;
         let slot = &mut slots[state.slot];
-        if state.device_token != Some(token) {
-            self.stream.memcpy_htod(&[token as i32], &mut slot.token)?;
-        }
         if self.use_graphs {
             if slot.graph(end).is_none() {
                 *slot.graph(end) = Some(Graph(self.capture_step(StepSeqs::Slot(slot), end)?));
@@ -1566,6 +1584,14 @@ impl CudaBackend {
             .collect())
     }
 
+    /// Queues a copy of the token the last queued step chooses into `host`, behind that step
+    /// and ahead of any step queued later (which would overwrite it on the device).
+    fn queue_token_copy(&self, state: &CudaState, host: &mut PinnedHostSlice<i32>) -> Result<()> {
+        let slots = self.lock_slots()?;
+        self.stream.memcpy_dtoh(&slots[state.slot].token, host)?;
+        Ok(())
+    }
+
     /// The token the last step chose on the device (it stays there as the next input).
     fn read_token(&self, state: &mut CudaState) -> Result<u32> {
         let slots = self.lock_slots()?;
@@ -1592,6 +1618,44 @@ impl Backend for CudaBackend {
         }
         self.step_batch(states, tokens, StepEnd::Greedy)?;
         self.read_chosen(states)
+    }
+
+    /// Each step is queued before the previous one's id is read back (a page-locked word per
+    /// step in flight), so the device runs step after step while the host waits for an id and
+    /// hands it on; when `on_token` says stop, the step after it has already run.
+    fn decode_greedy_run(
+        &self,
+        mut state: CudaState,
+        token: u32,
+        on_token: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        // SAFETY: each word is read only after a copy into it has completed (`as_slice` waits
+        // for the copy's event).
+        let mut chosen: [PinnedHostSlice<i32>; 2] = unsafe {
+            [
+                self.ctx.alloc_pinned_with_flags(1, 0)?,
+                self.ctx.alloc_pinned_with_flags(1, 0)?,
+            ]
+        };
+        self.step(&mut state, token, StepEnd::Greedy)?;
+        self.queue_token_copy(&state, &mut chosen[0])?;
+        // The word holding the id of the oldest step in flight.
+        let mut oldest = 0;
+        loop {
+            let ahead = state.position < self.max_context;
+            if ahead {
+                self.step_on_device_token(&mut state, StepEnd::Greedy)?;
+                self.queue_token_copy(&state, &mut chosen[1 - oldest])?;
+            }
+            let id = chosen[oldest].as_slice()?[0] as u32;
+            if !on_token(id)? {
+                return Ok(());
+            }
+            if !ahead {
+                return Err(self.context_limit());
+            }
+            oldest = 1 - oldest;
+        }
     }
 
     fn samples_on_device(&self) -> bool {
