@@ -153,16 +153,19 @@ pub fn random_safetensors_in(c: &ModelConfig, dtype: DType) -> Result<Vec<u8>> {
         draw.values(c.vocab_size * h, 1.0),
     );
     // lm_head rows of printable ASCII (and newline) are at full scale, the others much smaller,
-    // so the random replies are mostly readable characters instead of broken UTF-8.
-    let mut lm_head = Vec::with_capacity(c.vocab_size * h);
-    for id in 0..c.vocab_size {
-        let readable = id == b'\n' as usize
-            || (0x20..0x7f).contains(&id)
-            || id == added_token_id("<|im_end|>") as usize;
-        let scale = if readable { 4.0 } else { 0.5 };
-        lm_head.extend(draw.values(h, scale / (h as f32).sqrt()));
+    // so the random replies are mostly readable characters instead of broken UTF-8. A tied
+    // configuration has none: its checkpoints hold only the embedding (MLX-LM refuses others).
+    if !c.tie_word_embeddings {
+        let mut lm_head = Vec::with_capacity(c.vocab_size * h);
+        for id in 0..c.vocab_size {
+            let readable = id == b'\n' as usize
+                || (0x20..0x7f).contains(&id)
+                || id == added_token_id("<|im_end|>") as usize;
+            let scale = if readable { 4.0 } else { 0.5 };
+            lm_head.extend(draw.values(h, scale / (h as f32).sqrt()));
+        }
+        add("lm_head.weight".into(), vec![c.vocab_size, h], lm_head);
     }
-    add("lm_head.weight".into(), vec![c.vocab_size, h], lm_head);
     add("model.norm.weight".into(), vec![h], draw.values(h, 0.2));
 
     for (l, kind) in c.layer_kinds.iter().enumerate() {
@@ -368,6 +371,25 @@ mod tests {
             crate::checkpoint::convert_to_f32(DType::BF16, n.data(), &mut got);
             assert_eq!(got, want, "{name}");
         }
+    }
+
+    #[test]
+    fn tied_random_checkpoints_hold_no_lm_head() {
+        let mut json = demo_config_json();
+        json["tie_word_embeddings"] = true.into();
+        let tied = ModelConfig::from_json_str(&json.to_string()).unwrap();
+        let untied = ModelConfig::from_json_str(&demo_config_json().to_string()).unwrap();
+        let names = |c: &ModelConfig| {
+            let bytes = random_safetensors(c).unwrap();
+            let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            file.names()
+                .into_iter()
+                .map(String::from)
+                .collect::<Vec<_>>()
+        };
+        assert!(names(&untied).iter().any(|n| n == "lm_head.weight"));
+        assert!(!names(&tied).iter().any(|n| n == "lm_head.weight"));
+        random_model(tied).expect("a tied random model loads with the embedding as lm_head");
     }
 
     #[test]
