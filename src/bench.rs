@@ -1,6 +1,7 @@
 //! `lily bench`: prefill and decode speed of the CUDA backend, against the device's measured
 //! copy bandwidth, on a checkpoint or on full-size synthetic weights generated on the GPU.
 
+use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
@@ -119,6 +120,8 @@ fn synthetic_config(path: Option<&std::path::Path>) -> Result<(ModelConfig, Stri
 
 /// Runs the benchmark and prints a report (human-readable lines, then one JSON line).
 pub fn run(args: &BenchArgs) -> Result<()> {
+    // Written through a lock rather than `println!`, so that a closed pipe is an error, not a panic.
+    let mut out = std::io::stdout().lock();
     ensure!(
         args.prompt > 0 && args.generate > 0,
         "--prompt and --gen must be positive"
@@ -216,11 +219,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             ));
         }
         std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
-        println!(
+        writeln!(
+            out,
             "trace              {} block records in {}",
             records.len(),
             path.display()
-        );
+        )?;
     }
     if args.profile_steps > 0 {
         backend.profile(|| {
@@ -267,13 +271,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let memory = backend.memory_use()?;
     let device_in_use = backend.device_memory_in_use()?;
 
-    println!("model              {source}");
-    println!("load               {load_s:.1} s");
-    println!(
+    writeln!(out, "model              {source}")?;
+    writeln!(out, "load               {load_s:.1} s")?;
+    writeln!(
+        out,
         "weights on GPU     {:.2} GB",
         backend.weight_bytes() as f64 / 1e9
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "GPU memory used    {:.2} GB by lily: weights {:.2}, {} sequence slot(s) {:.2}, scratch \
          {:.2} ({:.2} GB in use on the device, by every process and the driver)",
         memory.total() as f64 / 1e9,
@@ -282,25 +288,28 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         memory.sequences as f64 / 1e9,
         memory.scratch as f64 / 1e9,
         device_in_use as f64 / 1e9
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "copy bandwidth     {:.0} GB/s (measured, read + write)",
         copy_bw / 1e9
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "prefill            {} tokens in {:.1} ms: {:.0} tok/s (time to first token)",
         args.prompt,
         prefill_s * 1e3,
         args.prompt as f64 / prefill_s
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "prefill work       {:.2} TFLOP: {:.1} TFLOP/s = {:.1}% of the measured fp16 tensor-core \
          rate ({:.0} TFLOP/s, wgmma m64n64k16)",
         flops / 1e12,
         flops / prefill_s / 1e12,
         100.0 * flops / prefill_s / tensor_rate,
         tensor_rate / 1e12
-    );
+    )?;
     let parts: Vec<String> = split
         .iter()
         .map(|(part, ms)| {
@@ -311,45 +320,54 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             )
         })
         .collect();
-    println!(
+    writeln!(
+        out,
         "prefill split      {} (second run, {:.1} ms in all)",
         parts.join(", "),
         split_s * 1e3
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "decode             {decode_tok_s:.1} tok/s at ~{context} context ({:.3} ms/token; \
          {stepwise_tok_s:.1} tok/s with each id read back before the next step)",
         1e3 / decode_tok_s
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "decode traffic     {:.3} GB/token, {:.0} GB/s achieved = {:.1}% of copy bandwidth \
          (limit {limit_tok_s:.0} tok/s)",
         bytes as f64 / 1e9,
         achieved / 1e9,
         100.0 * achieved / copy_bw
-    );
+    )?;
     if let Some(b) = &batched {
-        println!(
+        writeln!(
+            out,
             "decode batch {:<5} {:.1} tok/s in all, {:.1} per sequence ({:.3} ms/step) at \
              ~{context} context each",
             b.batch,
             b.tok_s(),
             b.tok_s() / b.batch as f64,
             b.step_ms()
-        );
+        )?;
     }
     if let Some((shares, step_us)) = &critical {
-        println!("decode critical path, per kernel (step {step_us:.1} us replayed):");
-        print_shares(shares, *step_us);
+        writeln!(
+            out,
+            "decode critical path, per kernel (step {step_us:.1} us replayed):"
+        )?;
+        print_shares(&mut out, shares, *step_us)?;
     }
     if let Some((shares, step_us)) = batched.as_ref().and_then(|b| b.critical.as_ref()) {
-        println!(
+        writeln!(
+            out,
             "decode batch {} critical path, per kernel (step {step_us:.1} us replayed):",
             args.batch
-        );
-        print_shares(shares, *step_us);
+        )?;
+        print_shares(&mut out, shares, *step_us)?;
     }
-    println!(
+    writeln!(
+        out,
         "{}",
         serde_json::json!({
             "prefill_tokens": args.prompt,
@@ -379,21 +397,27 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "batch_decode_tok_s": batched.as_ref().map(BatchedDecode::tok_s),
             "batch_step_ms": batched.as_ref().map(BatchedDecode::step_ms),
         })
-    );
+    )?;
     Ok(())
 }
 
-fn print_shares(shares: &[crate::backend::cuda::timing::KernelShare], step_us: f64) {
+fn print_shares(
+    out: &mut impl Write,
+    shares: &[crate::backend::cuda::timing::KernelShare],
+    step_us: f64,
+) -> Result<()> {
     for share in shares {
-        println!(
+        writeln!(
+            out,
             "  {:<22} {:>4} launches {:>8.1} us {:>6.2} us each {:>5.1}%",
             share.name,
             share.launches,
             share.critical_us,
             share.critical_us / share.launches as f64,
             100.0 * share.critical_us / step_us
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// Floating-point operations of prefilling `tokens` tokens from an empty context, counting 2 per

@@ -7,6 +7,7 @@
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -305,6 +306,8 @@ pub fn check_all(configs: &[(String, ModelConfig)], ptx_dir: Option<&Path>) -> R
             (compile(name, src, false, defines), start.elapsed())
         })
         .collect();
+    // Through a lock rather than `println!`, so that a closed pipe is an error, not a panic.
+    let mut out = std::io::stdout().lock();
     for ((_, variant, (name, _)), (result, took)) in jobs.iter().zip(results) {
         let result = result.and_then(|ptx| {
             let src = ptx.to_src();
@@ -323,9 +326,9 @@ pub fn check_all(configs: &[(String, ModelConfig)], ptx_dir: Option<&Path>) -> R
             Ok(())
         });
         match result {
-            Ok(()) => println!("ok     {name}{variant} ({:.2} s)", took.as_secs_f64()),
+            Ok(()) => writeln!(out, "ok     {name}{variant} ({:.2} s)", took.as_secs_f64())?,
             Err(e) => {
-                println!("FAILED {name}{variant}\n{e:#}");
+                writeln!(out, "FAILED {name}{variant}\n{e:#}")?;
                 failed.push(format!("{name}{variant}"));
             }
         }
@@ -337,7 +340,11 @@ pub fn check_all(configs: &[(String, ModelConfig)], ptx_dir: Option<&Path>) -> R
             failed.join(", ")
         );
     }
-    println!("all {} kernel modules compiled for {ARCH}", MODULES.len());
+    writeln!(
+        out,
+        "all {} kernel modules compiled for {ARCH}",
+        MODULES.len()
+    )?;
     Ok(())
 }
 
