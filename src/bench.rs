@@ -8,7 +8,7 @@ use anyhow::{Context, Result, ensure};
 
 use crate::backend::cuda::weights::WeightFormat;
 use crate::backend::cuda::{CudaBackend, CudaOptions};
-use crate::backend::{Backend, LogitsFor};
+use crate::backend::{Backend, LogitsFor, RunChoice};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
 
@@ -174,7 +174,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut left = args.generate - 1;
     let start = Instant::now();
     if left > 0 {
-        backend.decode_greedy_run(state, token, &mut |id| {
+        backend.decode_run(state, token, RunChoice::Greedy, &mut |id| {
             last = id;
             left -= 1;
             Ok(left > 0)

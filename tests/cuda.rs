@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use lily::backend::cpu::CpuBackend;
 use lily::backend::cuda::{CudaBackend, CudaOptions, DEFAULT_PREFILL_CHUNK};
-use lily::backend::{Backend, DeviceDraw, LogitsFor, argmax};
+use lily::backend::{Backend, DeviceDraw, LogitsFor, RunChoice, argmax};
 use lily::checkpoint::DType;
 use lily::config::ModelConfig;
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
@@ -144,11 +144,11 @@ fn device_argmax_matches_host_argmax_and_forks_continue_identically() {
     gpu.new_state().expect("a dropped state frees its slot");
 }
 
-/// The pipelined greedy run (each step queued before the previous id is read back) passes the
-/// ids step-by-step decoding chooses, stops when told, and ends at the context limit with the
-/// same ids and the same error.
+/// Pipelined runs (each step queued before the previous id is read back) pass the ids that
+/// step-by-step decoding chooses, greedy and drawn, stop when told, and end at the context limit
+/// with the same ids and the same error.
 #[test]
-fn pipelined_greedy_runs_choose_the_step_by_step_ids() {
+fn pipelined_runs_choose_the_step_by_step_ids() {
     let dir = &fixtures()[0];
     let model = Model::load(dir).unwrap();
     let prompt = &prompts(dir)[0];
@@ -163,46 +163,67 @@ fn pipelined_greedy_runs_choose_the_step_by_step_ids() {
         },
     )
     .unwrap();
+    let vocab = model.config.vocab_size;
     let prefilled = |gpu: &CudaBackend| {
         let mut state = gpu.new_state().unwrap();
         let first = argmax(&gpu.prefill(&mut state, prompt, LogitsFor::Last).unwrap());
         (state, first)
     };
-    let (mut state, first) = prefilled(&gpu);
-    let mut stepwise = Vec::new();
-    let mut token = first;
-    let limit = loop {
-        match gpu.decode_greedy(&mut [&mut state], &[token]) {
-            Ok(ids) => token = ids[0],
-            Err(e) => break e.to_string(),
-        }
-        stepwise.push(token);
-    };
-    drop(state);
-    assert_eq!(stepwise.len(), max_context - prompt.len());
-    assert!(limit.contains("context limit"), "{limit}");
+    for drawn in [false, true] {
+        // Step k's draw has seed k, so a run and the steps one by one draw alike.
+        let draw = |k: u64| sample_draw(k, vocab);
+        let (mut state, first) = prefilled(&gpu);
+        let mut stepwise = Vec::new();
+        let mut token = first;
+        let limit = loop {
+            let chosen = if drawn {
+                gpu.decode_sample(&mut [&mut state], &[token], &[draw(stepwise.len() as u64)])
+            } else {
+                gpu.decode_greedy(&mut [&mut state], &[token])
+            };
+            match chosen {
+                Ok(ids) => token = ids[0],
+                Err(e) => break e.to_string(),
+            }
+            stepwise.push(token);
+        };
+        drop(state);
+        assert_eq!(stepwise.len(), max_context - prompt.len());
+        assert!(limit.contains("context limit"), "{limit}");
 
-    for wanted in [1, 2, 5] {
-        let (state, first) = prefilled(&gpu);
-        let mut ids = Vec::new();
-        gpu.decode_greedy_run(state, first, &mut |id| {
-            ids.push(id);
-            Ok(ids.len() < wanted)
-        })
-        .unwrap();
-        assert_eq!(ids, stepwise[..wanted], "a run stopped after {wanted} ids");
+        let run = |wanted: usize| {
+            let (state, first) = prefilled(&gpu);
+            let mut ids = Vec::new();
+            let mut k = 0;
+            let mut next = || {
+                k += 1;
+                draw(k - 1)
+            };
+            let choice = if drawn {
+                RunChoice::Drawn(&mut next)
+            } else {
+                RunChoice::Greedy
+            };
+            let result = gpu.decode_run(state, first, choice, &mut |id| {
+                ids.push(id);
+                Ok(ids.len() < wanted)
+            });
+            (ids, result)
+        };
+        for wanted in [1, 2, 5] {
+            let (ids, result) = run(wanted);
+            result.unwrap();
+            assert_eq!(
+                ids,
+                stepwise[..wanted],
+                "drawn {drawn}: stopped after {wanted} ids"
+            );
+        }
+        let (ids, result) = run(usize::MAX);
+        assert_eq!(ids, stepwise, "drawn {drawn}: a run to the context limit");
+        assert_eq!(result.unwrap_err().to_string(), limit);
     }
-    let (state, first) = prefilled(&gpu);
-    let mut ids = Vec::new();
-    let err = gpu
-        .decode_greedy_run(state, first, &mut |id| {
-            ids.push(id);
-            Ok(true)
-        })
-        .unwrap_err();
-    assert_eq!(ids, stepwise, "a run to the context limit");
-    assert_eq!(err.to_string(), limit);
-    // The run gave its slot back: both slots are free again.
+    // The runs gave their slots back: both are free again.
     let _a = gpu.new_state().unwrap();
     let _b = gpu.new_state().unwrap();
 }

@@ -86,24 +86,39 @@ pub trait Backend {
             .collect())
     }
 
-    /// Decodes one sequence greedily to its end: appends `token`, passes the chosen id to
-    /// `on_token`, and while that returns `Ok(true)` appends the id and goes on. It takes the
-    /// state because a backend may already have appended the last id passed when `on_token`
-    /// says stop: the CUDA backend queues each step before reading the previous one's id back,
-    /// so that the host's round trip and `on_token`'s own work overlap the device's.
-    fn decode_greedy_run(
+    /// Decodes one sequence to its end: appends `token`, passes the chosen id to `on_token`,
+    /// and while that returns `Ok(true)` appends the id and goes on, each step choosing as
+    /// `choice` says. It takes the state because a backend may already have appended the last
+    /// id passed when `on_token` says stop: the CUDA backend queues each step before reading
+    /// the previous one's id back, so that the host's round trip and `on_token`'s own work
+    /// overlap the device's.
+    fn decode_run(
         &self,
         mut state: Self::State,
         mut token: u32,
+        mut choice: RunChoice<'_>,
         on_token: &mut dyn FnMut(u32) -> Result<bool>,
     ) -> Result<()> {
         loop {
-            token = self.decode_greedy(&mut [&mut state], &[token])?[0];
+            token = match &mut choice {
+                RunChoice::Greedy => self.decode_greedy(&mut [&mut state], &[token])?[0],
+                RunChoice::Drawn(next) => {
+                    self.decode_sample(&mut [&mut state], &[token], &[next()])?[0]
+                }
+            };
             if !on_token(token)? {
                 return Ok(());
             }
         }
     }
+}
+
+/// How the steps of a [`Backend::decode_run`] choose their tokens.
+pub enum RunChoice<'a> {
+    /// The most likely token.
+    Greedy,
+    /// A draw on the backend ([`Backend::decode_sample`]), each step's made by this.
+    Drawn(&'a mut dyn FnMut() -> DeviceDraw),
 }
 
 /// Index of the largest value; ties go to the lowest index (as torch.argmax).

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use super::sampler::{Sampler, SamplingParams};
 use super::stop::StopChecker;
-use crate::backend::{Backend, LogitsFor};
+use crate::backend::{Backend, LogitsFor, RunChoice};
 use crate::text::tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// What a request asks of generation.
@@ -170,19 +170,16 @@ pub fn generate<B: Backend>(
     };
     if take(id)? {
         if device_greedy {
-            backend.decode_greedy_run(state, id, &mut take)?;
+            backend.decode_run(state, id, RunChoice::Greedy, &mut take)?;
+        } else if let Some(mut next) = device_draws
+            .then(|| sampler.device_draws(allowed))
+            .flatten()
+        {
+            backend.decode_run(state, id, RunChoice::Drawn(&mut next), &mut take)?;
         } else {
             loop {
-                id = if let Some(draw) =
-                    device_draws.then(|| sampler.device_draw(allowed)).flatten()
-                {
-                    let drawn = backend.decode_sample(&mut [&mut state], &[id], &[draw])?[0];
-                    sampler.record(drawn);
-                    drawn
-                } else {
-                    let mut logits = backend.decode(&mut [&mut state], &[id])?;
-                    sampler.sample(&mut logits)?.token_id
-                };
+                let mut logits = backend.decode(&mut [&mut state], &[id])?;
+                id = sampler.sample(&mut logits)?.token_id;
                 if !take(id)? {
                     break;
                 }

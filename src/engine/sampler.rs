@@ -213,18 +213,28 @@ impl Sampler {
     /// decoding (the backend's argmax does that) or penalties, which depend on the history.
     /// Record the token the backend chose with [`Sampler::record`].
     pub fn device_draw(&mut self, allowed: usize) -> Option<DeviceDraw> {
+        self.params
+            .is_drawable_anywhere()
+            .then(|| self.next_draw(allowed))
+    }
+
+    /// [`Sampler::device_draw`] for every step of a run: `None` when the choice needs the host.
+    /// The drawn ids need no [`Sampler::record`]: the draws take no penalties.
+    pub fn device_draws(&mut self, allowed: usize) -> Option<impl FnMut() -> DeviceDraw + '_> {
+        let drawable = self.params.is_drawable_anywhere();
+        drawable.then_some(move || self.next_draw(allowed))
+    }
+
+    fn next_draw(&mut self, allowed: usize) -> DeviceDraw {
         let p = &self.params;
-        if !p.is_drawable_anywhere() {
-            return None;
-        }
-        Some(DeviceDraw {
+        DeviceDraw {
             temperature: p.temperature,
             top_k: p.top_k,
             top_p: p.top_p,
             min_p: p.min_p,
             allowed,
             seed: self.rng.next_u64(),
-        })
+        }
     }
 
     /// Records a token chosen elsewhere (by the backend) as generated.
@@ -501,6 +511,10 @@ mod tests {
         };
         let first = draws(&params);
         assert_eq!(first, draws(&params), "same seed, same draws");
+        let mut sampler = Sampler::new(params.clone(), &[1, 2]).unwrap();
+        let mut next = sampler.device_draws(100).unwrap();
+        let run: Vec<DeviceDraw> = (0..4).map(|_| next()).collect();
+        assert_eq!(first, run, "a run's draws are the steps' draws");
         let d = first[0];
         assert_eq!(
             (d.temperature, d.top_k, d.top_p, d.min_p, d.allowed),
@@ -534,6 +548,7 @@ mod tests {
             assert!(!params.is_drawable_anywhere(), "{params:?}");
             let mut sampler = Sampler::new(params, &[]).unwrap();
             assert_eq!(sampler.device_draw(10), None);
+            assert!(sampler.device_draws(10).is_none());
         }
         assert!(seeded(1.0).is_drawable_anywhere());
     }

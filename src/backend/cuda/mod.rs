@@ -44,7 +44,7 @@ use cudarc::driver::{
 use self::decode::StepSeqs;
 use self::shapes::*;
 use self::weights::{DeviceModel, DeviceWeight, ScaleFormat, WeightFormat, ptr};
-use super::{Backend, DeviceDraw, LogitsFor};
+use super::{Backend, DeviceDraw, LogitsFor, RunChoice};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::{Matrix, Model};
 
@@ -1584,6 +1584,27 @@ impl CudaBackend {
             .collect())
     }
 
+    /// Sets the draw of the sequence's next sampled step (queued, so behind the steps before).
+    fn set_draw(&self, state: &CudaState, draw: &DeviceDraw) -> Result<()> {
+        ensure!(
+            draw.temperature.is_finite() && draw.temperature > 0.0,
+            "device sampling needs a positive temperature, not {}",
+            draw.temperature
+        );
+        let desc = SamplingDesc {
+            temperature: draw.temperature,
+            top_k: i32::try_from(draw.top_k).unwrap_or(0),
+            top_p: draw.top_p,
+            min_p: draw.min_p,
+            allowed: i32::try_from(draw.allowed.min(self.config.vocab_size)).unwrap_or(i32::MAX),
+            seed: draw.seed,
+        };
+        let mut slots = self.lock_slots()?;
+        self.stream
+            .memcpy_htod(&[desc], &mut slots[state.slot].sampling)?;
+        Ok(())
+    }
+
     /// Queues a copy of the token the last queued step chooses into `host`, behind that step
     /// and ahead of any step queued later (which would overwrite it on the device).
     fn queue_token_copy(&self, state: &CudaState, host: &mut PinnedHostSlice<i32>) -> Result<()> {
@@ -1623,12 +1644,22 @@ impl Backend for CudaBackend {
     /// Each step is queued before the previous one's id is read back (a page-locked word per
     /// step in flight), so the device runs step after step while the host waits for an id and
     /// hands it on; when `on_token` says stop, the step after it has already run.
-    fn decode_greedy_run(
+    fn decode_run(
         &self,
         mut state: CudaState,
         token: u32,
+        mut choice: RunChoice<'_>,
         on_token: &mut dyn FnMut(u32) -> Result<bool>,
     ) -> Result<()> {
+        let end = match choice {
+            RunChoice::Greedy => StepEnd::Greedy,
+            RunChoice::Drawn(_) => StepEnd::Sampled,
+        };
+        // The next step's draw, written to the slot in stream order (behind the steps queued).
+        let mut set_draw = |state: &CudaState| match &mut choice {
+            RunChoice::Greedy => Ok(()),
+            RunChoice::Drawn(next) => self.set_draw(state, &next()),
+        };
         // SAFETY: each word is read only after a copy into it has completed (`as_slice` waits
         // for the copy's event).
         let mut chosen: [PinnedHostSlice<i32>; 2] = unsafe {
@@ -1637,14 +1668,16 @@ impl Backend for CudaBackend {
                 self.ctx.alloc_pinned_with_flags(1, 0)?,
             ]
         };
-        self.step(&mut state, token, StepEnd::Greedy)?;
+        set_draw(&state)?;
+        self.step(&mut state, token, end)?;
         self.queue_token_copy(&state, &mut chosen[0])?;
         // The word holding the id of the oldest step in flight.
         let mut oldest = 0;
         loop {
             let ahead = state.position < self.max_context;
             if ahead {
-                self.step_on_device_token(&mut state, StepEnd::Greedy)?;
+                set_draw(&state)?;
+                self.step_on_device_token(&mut state, end)?;
                 self.queue_token_copy(&state, &mut chosen[1 - oldest])?;
             }
             let id = chosen[oldest].as_slice()?[0] as u32;
@@ -1678,23 +1711,7 @@ impl Backend for CudaBackend {
             draws.len()
         );
         for (state, draw) in states.iter().zip(draws) {
-            ensure!(
-                draw.temperature.is_finite() && draw.temperature > 0.0,
-                "device sampling needs a positive temperature, not {}",
-                draw.temperature
-            );
-            let desc = SamplingDesc {
-                temperature: draw.temperature,
-                top_k: i32::try_from(draw.top_k).unwrap_or(0),
-                top_p: draw.top_p,
-                min_p: draw.min_p,
-                allowed: i32::try_from(draw.allowed.min(self.config.vocab_size))
-                    .unwrap_or(i32::MAX),
-                seed: draw.seed,
-            };
-            let mut slots = self.lock_slots()?;
-            self.stream
-                .memcpy_htod(&[desc], &mut slots[state.slot].sampling)?;
+            self.set_draw(state, draw)?;
         }
         if let ([state], [token]) = (&mut *states, tokens) {
             self.step(state, *token, StepEnd::Sampled)?;
