@@ -37,8 +37,8 @@ use cudarc::driver::sys::{
     CUstreamCaptureMode,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 
 use self::decode::StepSeqs;
@@ -1605,14 +1605,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Queues a copy of the token the last queued step chooses into `host`, behind that step
-    /// and ahead of any step queued later (which would overwrite it on the device).
-    fn queue_token_copy(&self, state: &CudaState, host: &mut PinnedHostSlice<i32>) -> Result<()> {
-        let slots = self.lock_slots()?;
-        self.stream.memcpy_dtoh(&slots[state.slot].token, host)?;
-        Ok(())
-    }
-
     /// The token the last step chose on the device (it stays there as the next input).
     fn read_token(&self, state: &mut CudaState) -> Result<u32> {
         let slots = self.lock_slots()?;
@@ -1660,17 +1652,10 @@ impl Backend for CudaBackend {
             RunChoice::Greedy => Ok(()),
             RunChoice::Drawn(next) => self.set_draw(state, &next()),
         };
-        // SAFETY: each word is read only after a copy into it has completed (`as_slice` waits
-        // for the copy's event).
-        let mut chosen: [PinnedHostSlice<i32>; 2] = unsafe {
-            [
-                self.ctx.alloc_pinned_with_flags(1, 0)?,
-                self.ctx.alloc_pinned_with_flags(1, 0)?,
-            ]
-        };
+        let mut chosen = [ChosenWord::new(&self.ctx)?, ChosenWord::new(&self.ctx)?];
         set_draw(&state)?;
         self.step(&mut state, token, end)?;
-        self.queue_token_copy(&state, &mut chosen[0])?;
+        chosen[0].queue_copy(self, &state)?;
         // The word holding the id of the oldest step in flight.
         let mut oldest = 0;
         loop {
@@ -1678,9 +1663,9 @@ impl Backend for CudaBackend {
             if ahead {
                 set_draw(&state)?;
                 self.step_on_device_token(&mut state, end)?;
-                self.queue_token_copy(&state, &mut chosen[1 - oldest])?;
+                chosen[1 - oldest].queue_copy(self, &state)?;
             }
-            let id = chosen[oldest].as_slice()?[0] as u32;
+            let id = chosen[oldest].read()?;
             if !on_token(id)? {
                 return Ok(());
             }
@@ -1800,6 +1785,50 @@ impl Backend for CudaBackend {
             return Ok(Vec::new());
         }
         self.read_logits(states.len())
+    }
+}
+
+/// A page-locked word that a step's chosen id is copied into, and the event that marks the copy
+/// done. (cudarc's own event for page-locked memory is only recorded with its event tracking,
+/// which lily turns off, so it would not wait for the copy.)
+struct ChosenWord {
+    host: PinnedHostSlice<i32>,
+    copied: CudaEvent,
+}
+
+impl ChosenWord {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        Ok(Self {
+            // SAFETY: the word is read only once a copy into it has completed (`read`).
+            host: unsafe { ctx.alloc_pinned_with_flags(1, 0)? },
+            copied: ctx.new_event(None)?,
+        })
+    }
+
+    /// Queues a copy of the id that the sequence's last queued step chooses, behind that step
+    /// and ahead of any step queued later (which would overwrite it on the device).
+    fn queue_copy(&mut self, backend: &CudaBackend, state: &CudaState) -> Result<()> {
+        let slots = backend.lock_slots()?;
+        backend
+            .stream
+            .memcpy_dtoh(&slots[state.slot].token, &mut self.host)?;
+        self.copied.record(&backend.stream)?;
+        Ok(())
+    }
+
+    /// The id, once its copy has completed.
+    fn read(&self) -> Result<u32> {
+        self.copied.synchronize()?;
+        Ok(self.host.as_slice()?[0] as u32)
+    }
+}
+
+impl Drop for ChosenWord {
+    /// The page-locked word is freed only once no copy into it is in flight.
+    fn drop(&mut self) {
+        if let Err(e) = self.copied.synchronize() {
+            tracing::warn!("waiting for a token copy before freeing its buffer: {e}");
+        }
     }
 }
 
