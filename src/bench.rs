@@ -167,7 +167,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let first = crate::backend::argmax(&logits);
 
     // The first decode step captures the graph: keep it out of the timing. Then the decode as
-    // `lily generate` runs it, each step queued before the previous one's id is read back.
+    // `lily generate` runs it (`Backend::decode_run`).
     let token = backend.decode_greedy(&mut [&mut state], &[first])?[0];
     backend.synchronize()?;
     let mut last = token;
@@ -196,7 +196,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let stepwise_tok_s = (args.generate - 1) as f64 / start.elapsed().as_secs_f64();
     ensure!(
         args.generate == 1 || token == last,
-        "the pipelined decode chose {last} as its last token but the step-by-step one {token}"
+        "the decode run chose {last} as its last token but the steps one at a time chose {token}"
     );
     let critical = if args.critical_path > 0 {
         Some(backend.decode_critical_path(&mut [&mut state], args.critical_path)?)

@@ -89,9 +89,9 @@ pub trait Backend {
     /// Decodes one sequence to its end: appends `token`, passes the chosen id to `on_token`,
     /// and while that returns `Ok(true)` appends the id and goes on, each step choosing as
     /// `choice` says. It takes the state because a backend may already have appended the last
-    /// id passed when `on_token` says stop: the CUDA backend queues each step before reading
-    /// the previous one's id back, so that the host's round trip and `on_token`'s own work
-    /// overlap the device's.
+    /// id passed when `on_token` says stop: one that queues each step before reading the
+    /// previous one's id back, so that the host's round trip and `on_token`'s own work overlap
+    /// the device's (for CUDA, `docs/experiments/cuda-pipelined-run.patch`, not yet run on a GPU).
     fn decode_run(
         &self,
         mut state: Self::State,

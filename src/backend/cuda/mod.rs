@@ -37,14 +37,14 @@ use cudarc::driver::sys::{
     CUstreamCaptureMode,
 };
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 
 use self::decode::StepSeqs;
 use self::shapes::*;
 use self::weights::{DeviceModel, DeviceWeight, ScaleFormat, WeightFormat, ptr};
-use super::{Backend, DeviceDraw, LogitsFor, RunChoice};
+use super::{Backend, DeviceDraw, LogitsFor};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::{Matrix, Model};
 
@@ -539,7 +539,7 @@ impl Drop for CudaState {
 /// Runs a model on one CUDA device.
 pub struct CudaBackend {
     config: ModelConfig,
-    ctx: Arc<CudaContext>,
+    _ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     k: Kernels,
     model: DeviceModel,
@@ -907,7 +907,7 @@ impl CudaBackend {
         stream.synchronize()?;
         Ok(Self {
             config,
-            ctx,
+            _ctx: ctx,
             stream,
             k,
             model,
@@ -1633,49 +1633,6 @@ impl Backend for CudaBackend {
         self.read_chosen(states)
     }
 
-    /// Each step is queued before the previous one's id is read back (a page-locked word per
-    /// step in flight), so the device runs step after step while the host waits for an id and
-    /// hands it on; when `on_token` says stop, the step after it has already run.
-    fn decode_run(
-        &self,
-        mut state: CudaState,
-        token: u32,
-        mut choice: RunChoice<'_>,
-        on_token: &mut dyn FnMut(u32) -> Result<bool>,
-    ) -> Result<()> {
-        let end = match choice {
-            RunChoice::Greedy => StepEnd::Greedy,
-            RunChoice::Drawn(_) => StepEnd::Sampled,
-        };
-        // The next step's draw, written to the slot in stream order (behind the steps queued).
-        let mut set_draw = |state: &CudaState| match &mut choice {
-            RunChoice::Greedy => Ok(()),
-            RunChoice::Drawn(next) => self.set_draw(state, &next()),
-        };
-        let mut chosen = [ChosenWord::new(&self.ctx)?, ChosenWord::new(&self.ctx)?];
-        set_draw(&state)?;
-        self.step(&mut state, token, end)?;
-        chosen[0].queue_copy(self, &state)?;
-        // The word holding the id of the oldest step in flight.
-        let mut oldest = 0;
-        loop {
-            let ahead = state.position < self.max_context;
-            if ahead {
-                set_draw(&state)?;
-                self.step_on_device_token(&mut state, end)?;
-                chosen[1 - oldest].queue_copy(self, &state)?;
-            }
-            let id = chosen[oldest].read()?;
-            if !on_token(id)? {
-                return Ok(());
-            }
-            if !ahead {
-                return Err(self.context_limit());
-            }
-            oldest = 1 - oldest;
-        }
-    }
-
     fn samples_on_device(&self) -> bool {
         true
     }
@@ -1785,50 +1742,6 @@ impl Backend for CudaBackend {
             return Ok(Vec::new());
         }
         self.read_logits(states.len())
-    }
-}
-
-/// A page-locked word that a step's chosen id is copied into, and the event that marks the copy
-/// done. (cudarc's own event for page-locked memory is only recorded with its event tracking,
-/// which lily turns off, so it would not wait for the copy.)
-struct ChosenWord {
-    host: PinnedHostSlice<i32>,
-    copied: CudaEvent,
-}
-
-impl ChosenWord {
-    fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
-        Ok(Self {
-            // SAFETY: the word is read only once a copy into it has completed (`read`).
-            host: unsafe { ctx.alloc_pinned_with_flags(1, 0)? },
-            copied: ctx.new_event(None)?,
-        })
-    }
-
-    /// Queues a copy of the id that the sequence's last queued step chooses, behind that step
-    /// and ahead of any step queued later (which would overwrite it on the device).
-    fn queue_copy(&mut self, backend: &CudaBackend, state: &CudaState) -> Result<()> {
-        let slots = backend.lock_slots()?;
-        backend
-            .stream
-            .memcpy_dtoh(&slots[state.slot].token, &mut self.host)?;
-        self.copied.record(&backend.stream)?;
-        Ok(())
-    }
-
-    /// The id, once its copy has completed.
-    fn read(&self) -> Result<u32> {
-        self.copied.synchronize()?;
-        Ok(self.host.as_slice()?[0] as u32)
-    }
-}
-
-impl Drop for ChosenWord {
-    /// The page-locked word is freed only once no copy into it is in flight.
-    fn drop(&mut self) {
-        if let Err(e) = self.copied.synchronize() {
-            tracing::warn!("waiting for a token copy before freeing its buffer: {e}");
-        }
     }
 }
 
