@@ -1,0 +1,428 @@
+//! The device memory of each sequence and the steps that append tokens to it: a slot per
+//! sequence (position, input token, KV caches, DeltaNet conv and recurrent state, sampling
+//! settings, and the step graphs captured for it), the tables that point a batched step's rows
+//! at their slots, and the launches of a step and the reads of what it chose.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Result, ensure};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DeviceRepr};
+
+use super::CudaBackend;
+use super::decode::StepSeqs;
+use super::weights::ptr;
+use crate::backend::DeviceDraw;
+use crate::config::{LayerKind, ModelConfig};
+
+/// The per-sequence buffers of a batched decode step, for its kernels to look up (`seq_buffer`
+/// in common.cuh): a column of `rows` device addresses per kind of buffer and layer, row b for
+/// the sequence whose token is row b of the step. A batched graph reads the table, so the same
+/// graph serves any sequences once the table points at them.
+pub(super) struct BatchTables {
+    pub(super) table: CudaSlice<u64>,
+    rows: usize,
+    deltanet_layers: usize,
+    attention_layers: usize,
+    /// The slots the table's first rows point at, in row order.
+    holds: Vec<usize>,
+}
+
+impl BatchTables {
+    pub(super) const POSITION: usize = 0;
+    pub(super) const TOKEN: usize = 1;
+    pub(super) const SAMPLING: usize = 2;
+    const PER_SEQUENCE: usize = 3;
+
+    pub(super) fn new(stream: &Arc<CudaStream>, c: &ModelConfig, rows: usize) -> Result<Self> {
+        let attention_layers = c
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::FullAttention)
+            .count();
+        let deltanet_layers = c.layer_kinds.len() - attention_layers;
+        let fields = Self::PER_SEQUENCE + 2 * deltanet_layers + 2 * attention_layers;
+        Ok(Self {
+            table: stream.alloc_zeros::<u64>(fields * rows)?,
+            rows,
+            deltanet_layers,
+            attention_layers,
+            holds: Vec::new(),
+        })
+    }
+
+    pub(super) fn conv(&self, i: usize) -> usize {
+        Self::PER_SEQUENCE + i
+    }
+
+    pub(super) fn state(&self, i: usize) -> usize {
+        Self::PER_SEQUENCE + self.deltanet_layers + i
+    }
+
+    pub(super) fn keys(&self, i: usize) -> usize {
+        Self::PER_SEQUENCE + 2 * self.deltanet_layers + i
+    }
+
+    pub(super) fn values(&self, i: usize) -> usize {
+        Self::PER_SEQUENCE + 2 * self.deltanet_layers + self.attention_layers + i
+    }
+
+    /// The device address of column `field`.
+    pub(super) fn column(&self, field: usize, s: &CudaStream) -> u64 {
+        ptr(&self.table, s) + (field * self.rows * std::mem::size_of::<u64>()) as u64
+    }
+
+    /// Points the first rows at the buffers of `ids` (slots of `slots`, in row order); uploads
+    /// only when they are not the ones the table already holds.
+    pub(super) fn hold(
+        &mut self,
+        slots: &[Slot],
+        ids: &[usize],
+        s: &Arc<CudaStream>,
+    ) -> Result<()> {
+        ensure!(
+            ids.len() <= self.rows,
+            "a batch of {} sequences is more than the {} the backend holds",
+            ids.len(),
+            self.rows
+        );
+        if self.holds == ids {
+            return Ok(());
+        }
+        let rows = self.rows;
+        let mut host = vec![0u64; self.table.len()];
+        for (row, &id) in ids.iter().enumerate() {
+            let slot = &slots[id];
+            let mut set = |field: usize, address: u64| host[field * rows + row] = address;
+            set(Self::POSITION, ptr(&slot.position, s));
+            set(Self::TOKEN, ptr(&slot.token, s));
+            set(Self::SAMPLING, ptr(&slot.sampling, s));
+            for (i, (conv, state)) in slot.conv.iter().zip(&slot.recurrent).enumerate() {
+                set(self.conv(i), ptr(conv, s));
+                set(self.state(i), ptr(state, s));
+            }
+            for (i, (k, v)) in slot.kv.iter().enumerate() {
+                set(self.keys(i), ptr(k, s));
+                set(self.values(i), ptr(v, s));
+            }
+        }
+        s.memcpy_htod(&host, &mut self.table)?;
+        self.holds = ids.to_vec();
+        Ok(())
+    }
+}
+
+/// Batched decode: the tables its graphs read, and one graph per (batch size, ending), captured
+/// on first use.
+pub(super) struct BatchSteps {
+    pub(super) tables: BatchTables,
+    pub(super) graphs: HashMap<(usize, StepEnd), Graph>,
+}
+
+/// A CUDA graph that may be replayed from whichever thread drives the backend.
+pub(super) struct Graph(pub(super) CudaGraph);
+// SAFETY: a graph exec handle is a driver object usable from any thread once the context is
+// current; cudarc binds the context before every launch. The backend serialises launches.
+unsafe impl Send for Graph {}
+
+/// The device memory of one sequence.
+pub(super) struct Slot {
+    pub(super) position: CudaSlice<i32>,
+    pub(super) token: CudaSlice<i32>,
+    /// Per attention layer: keys and values, bf16 `[max_context, kv_heads, head_dim]`.
+    pub(super) kv: Vec<(CudaSlice<u16>, CudaSlice<u16>)>,
+    /// Per DeltaNet layer: conv input ring `[kernel, conv_dim]` and recurrent state.
+    pub(super) conv: Vec<CudaSlice<f32>>,
+    pub(super) recurrent: Vec<CudaSlice<f32>>,
+    /// Sampling settings and seed of the next sampled step (`struct SamplingDesc` in sample.cu).
+    pub(super) sampling: CudaSlice<SamplingDesc>,
+    greedy_graph: Option<Graph>,
+    sampled_graph: Option<Graph>,
+    logits_graph: Option<Graph>,
+}
+
+/// How a decode step ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum StepEnd {
+    /// The argmax becomes the next input token on the device.
+    Greedy,
+    /// A draw with the slot's sampling settings becomes the next input token on the device.
+    Sampled,
+    /// The logits are left for the host to read.
+    Logits,
+}
+
+/// `struct SamplingDesc` in sample.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct SamplingDesc {
+    temperature: f32,
+    top_k: i32,
+    top_p: f32,
+    min_p: f32,
+    allowed: i32,
+    seed: u64,
+}
+
+// SAFETY: plain old data with the layout of `struct SamplingDesc` in sample.cu.
+unsafe impl DeviceRepr for SamplingDesc {}
+
+impl Slot {
+    /// Device memory of the sequence's buffers (its captured graphs are the driver's).
+    pub(super) fn bytes(&self) -> usize {
+        self.position.num_bytes()
+            + self.token.num_bytes()
+            + self.sampling.num_bytes()
+            + self
+                .kv
+                .iter()
+                .map(|(k, v)| k.num_bytes() + v.num_bytes())
+                .sum::<usize>()
+            + self
+                .conv
+                .iter()
+                .chain(&self.recurrent)
+                .map(|v| v.num_bytes())
+                .sum::<usize>()
+    }
+
+    /// The captured step that ends as `end` says.
+    fn graph(&mut self, end: StepEnd) -> &mut Option<Graph> {
+        match end {
+            StepEnd::Greedy => &mut self.greedy_graph,
+            StepEnd::Sampled => &mut self.sampled_graph,
+            StepEnd::Logits => &mut self.logits_graph,
+        }
+    }
+}
+
+/// The per-sequence handle: a slot of the backend's pool.
+pub struct CudaState {
+    pub(super) slot: usize,
+    pub(super) position: usize,
+    /// The token the device already holds as the next input (chosen by its own argmax).
+    pub(super) device_token: Option<u32>,
+    pub(super) free: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Drop for CudaState {
+    fn drop(&mut self) {
+        if let Ok(mut free) = self.free.lock() {
+            free.push(self.slot);
+        }
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn new_slot(
+        stream: &Arc<CudaStream>,
+        c: &ModelConfig,
+        max_context: usize,
+    ) -> Result<Slot> {
+        let kv_len = max_context * c.num_key_value_heads * c.head_dim;
+        let mut slot = Slot {
+            position: stream.alloc_zeros::<i32>(1)?,
+            token: stream.alloc_zeros::<i32>(1)?,
+            kv: Vec::new(),
+            conv: Vec::new(),
+            recurrent: Vec::new(),
+            sampling: stream.clone_htod(&[SamplingDesc::default()])?,
+            greedy_graph: None,
+            sampled_graph: None,
+            logits_graph: None,
+        };
+        for kind in &c.layer_kinds {
+            match kind {
+                LayerKind::FullAttention => slot.kv.push((
+                    stream.alloc_zeros::<u16>(kv_len)?,
+                    stream.alloc_zeros::<u16>(kv_len)?,
+                )),
+                LayerKind::LinearAttention => {
+                    slot.conv.push(
+                        stream
+                            .alloc_zeros::<f32>(c.linear_conv_kernel_dim * c.linear_conv_dim())?,
+                    );
+                    slot.recurrent.push(stream.alloc_zeros::<f32>(
+                        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
+                    )?);
+                }
+            }
+        }
+        Ok(slot)
+    }
+
+    pub(super) fn lock_batch(&self) -> Result<std::sync::MutexGuard<'_, BatchSteps>> {
+        self.batch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("batch lock poisoned"))
+    }
+
+    pub(super) fn lock_slots(&self) -> Result<std::sync::MutexGuard<'_, Vec<Slot>>> {
+        self.slots
+            .lock()
+            .map_err(|_| anyhow::anyhow!("slot lock poisoned"))
+    }
+
+    /// Checks that `token` may be appended to the sequence of `state`.
+    fn check_step(&self, state: &CudaState, token: u32) -> Result<()> {
+        ensure!(
+            (token as usize) < self.config.vocab_size,
+            "token id {token} is outside the vocabulary (size {})",
+            self.config.vocab_size
+        );
+        self.check_room(state)
+    }
+
+    /// Checks that the sequence of `state` has room for one more token.
+    fn check_room(&self, state: &CudaState) -> Result<()> {
+        if state.position >= self.max_context {
+            return Err(self.context_limit());
+        }
+        Ok(())
+    }
+
+    fn context_limit(&self) -> anyhow::Error {
+        anyhow::anyhow!(
+            "the sequence reached the context limit of {} tokens",
+            self.max_context
+        )
+    }
+
+    /// Runs one decode step for the state's slot (capturing its graph on first use).
+    pub(super) fn step(&self, state: &mut CudaState, token: u32, end: StepEnd) -> Result<()> {
+        self.check_step(state, token)?;
+        if state.device_token != Some(token) {
+            let mut slots = self.lock_slots()?;
+            self.stream
+                .memcpy_htod(&[token as i32], &mut slots[state.slot].token)?;
+        }
+        self.step_on_device_token(state, end)
+    }
+
+    /// Runs one decode step on the token the slot's device buffer holds: the one given to
+    /// [`Self::step`], or the one the previous step chose, even if it has not finished.
+    fn step_on_device_token(&self, state: &mut CudaState, end: StepEnd) -> Result<()> {
+        self.check_room(state)?;
+        let mut slots = self.lock_slots()?;
+        let slot = &mut slots[state.slot];
+        if self.use_graphs {
+            if slot.graph(end).is_none() {
+                *slot.graph(end) = Some(Graph(self.capture_step(StepSeqs::Slot(slot), end)?));
+            }
+            if let Some(graph) = slot.graph(end) {
+                graph.0.launch()?;
+            }
+        } else {
+            self.record_step(StepSeqs::Slot(slot), end)?;
+        }
+        state.position += 1;
+        state.device_token = None;
+        Ok(())
+    }
+
+    /// Runs one batched decode step: a token of each sequence, in one pass through the model
+    /// (the graph of this batch size, captured on first use, replayed with the batch tables
+    /// pointing at these sequences). One sequence takes `step` instead.
+    pub(super) fn step_batch(
+        &self,
+        states: &mut [&mut CudaState],
+        tokens: &[u32],
+        end: StepEnd,
+    ) -> Result<()> {
+        if states.is_empty() && tokens.is_empty() {
+            return Ok(());
+        }
+        ensure!(
+            states.len() == tokens.len(),
+            "a decode step got {} sequences but {} tokens",
+            states.len(),
+            tokens.len()
+        );
+        for (state, &token) in states.iter().zip(tokens) {
+            self.check_step(state, token)?;
+        }
+        // Lock order, here and in decode_critical_path: batch, slots.
+        let mut batch = self.lock_batch()?;
+        let ids: Vec<usize> = states.iter().map(|s| s.slot).collect();
+        let BatchSteps { tables, graphs } = &mut *batch;
+        {
+            let mut slots = self.lock_slots()?;
+            for (state, &token) in states.iter().zip(tokens) {
+                if state.device_token != Some(token) {
+                    self.stream
+                        .memcpy_htod(&[token as i32], &mut slots[state.slot].token)?;
+                }
+            }
+            tables.hold(&slots, &ids, &self.stream)?;
+        }
+        let seqs = StepSeqs::Batch(tables, ids.len());
+        if self.use_graphs {
+            let graph = match graphs.entry((ids.len(), end)) {
+                Entry::Occupied(graph) => graph.into_mut(),
+                Entry::Vacant(place) => place.insert(Graph(self.capture_step(seqs, end)?)),
+            };
+            graph.0.launch()?;
+        } else {
+            self.record_step(seqs, end)?;
+        }
+        for state in states.iter_mut() {
+            state.position += 1;
+            state.device_token = None;
+        }
+        Ok(())
+    }
+
+    /// The ids a batched step chose, a row each; they stay on the device as the next inputs.
+    pub(super) fn read_chosen(&self, states: &mut [&mut CudaState]) -> Result<Vec<u32>> {
+        if states.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids = self
+            .stream
+            .clone_dtoh(&self.scratch.chosen.slice(..states.len()))?;
+        Ok(states
+            .iter_mut()
+            .zip(ids)
+            .map(|(state, id)| {
+                state.device_token = Some(id as u32);
+                id as u32
+            })
+            .collect())
+    }
+
+    /// Sets the draw of the sequence's next sampled step (queued, so behind the steps before).
+    pub(super) fn set_draw(&self, state: &CudaState, draw: &DeviceDraw) -> Result<()> {
+        ensure!(
+            draw.temperature.is_finite() && draw.temperature > 0.0,
+            "device sampling needs a positive temperature, not {}",
+            draw.temperature
+        );
+        let desc = SamplingDesc {
+            temperature: draw.temperature,
+            top_k: i32::try_from(draw.top_k).unwrap_or(0),
+            top_p: draw.top_p,
+            min_p: draw.min_p,
+            allowed: i32::try_from(draw.allowed.min(self.config.vocab_size)).unwrap_or(i32::MAX),
+            seed: draw.seed,
+        };
+        let mut slots = self.lock_slots()?;
+        self.stream
+            .memcpy_htod(&[desc], &mut slots[state.slot].sampling)?;
+        Ok(())
+    }
+
+    /// The token the last step chose on the device (it stays there as the next input).
+    pub(super) fn read_token(&self, state: &mut CudaState) -> Result<u32> {
+        let slots = self.lock_slots()?;
+        let id = self.stream.clone_dtoh(&slots[state.slot].token)?[0] as u32;
+        state.device_token = Some(id);
+        Ok(id)
+    }
+
+    /// Copies the logits of the last step's `rows` sequences to the host.
+    pub(super) fn read_logits(&self, rows: usize) -> Result<Vec<f32>> {
+        let n = rows * self.config.vocab_size;
+        Ok(self.stream.clone_dtoh(&self.scratch.logits.slice(..n))?)
+    }
+}
