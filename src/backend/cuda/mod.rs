@@ -14,9 +14,10 @@
 //! Sequences live in a fixed pool of slots (KV cache for `max_context` positions, conv ring and
 //! recurrent state per DeltaNet layer); a [`CudaState`] holds a slot and gives it back on drop.
 //! The slots, the batch tables and the launching of a step on them are in sequences.rs, the
-//! step's launches in decode.rs, prefill's (chunks of tokens on tensor cores) in prefill/, the
-//! launches' shapes (grids, blocks, shared memory, compiled-in dimensions) in shapes.rs; this
-//! module owns the kernels, weights, scratch and the `Backend` methods.
+//! step's launches in decode.rs, the mat-vec launches in matvec.rs, prefill's (chunks of tokens
+//! on tensor cores) in prefill/, the launches' shapes (grids, blocks, shared memory,
+//! compiled-in dimensions) in shapes.rs; this module owns the kernels, weights, scratch and the
+//! `Backend` methods.
 
 mod decode;
 mod gemm;
