@@ -271,41 +271,22 @@ impl CudaBackend {
             "token id {token} is outside the vocabulary (size {})",
             self.config.vocab_size
         );
-        self.check_room(state)
-    }
-
-    /// Checks that the sequence of `state` has room for one more token.
-    fn check_room(&self, state: &CudaState) -> Result<()> {
-        if state.position >= self.max_context {
-            return Err(self.context_limit());
-        }
-        Ok(())
-    }
-
-    fn context_limit(&self) -> anyhow::Error {
-        anyhow::anyhow!(
+        ensure!(
+            state.position < self.max_context,
             "the sequence reached the context limit of {} tokens",
             self.max_context
-        )
+        );
+        Ok(())
     }
 
     /// Runs one decode step for the state's slot (capturing its graph on first use).
     pub(super) fn step(&self, state: &mut CudaState, token: u32, end: StepEnd) -> Result<()> {
         self.check_step(state, token)?;
-        if state.device_token != Some(token) {
-            let mut slots = self.lock_slots()?;
-            self.stream
-                .memcpy_htod(&[token as i32], &mut slots[state.slot].token)?;
-        }
-        self.step_on_device_token(state, end)
-    }
-
-    /// Runs one decode step on the token the slot's device buffer holds: the one given to
-    /// [`Self::step`], or the one the previous step chose, even if it has not finished.
-    fn step_on_device_token(&self, state: &mut CudaState, end: StepEnd) -> Result<()> {
-        self.check_room(state)?;
         let mut slots = self.lock_slots()?;
         let slot = &mut slots[state.slot];
+        if state.device_token != Some(token) {
+            self.stream.memcpy_htod(&[token as i32], &mut slot.token)?;
+        }
         if self.use_graphs {
             if slot.graph(end).is_none() {
                 *slot.graph(end) = Some(Graph(self.capture_step(StepSeqs::Slot(slot), end)?));
