@@ -206,6 +206,11 @@ struct ServeArgs {
     /// CUDA, where a chunk reads every expert's weights once].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     prefill_chunk: Option<u32>,
+    /// Sequence states kept so that prompts starting the same way (the next turn of a
+    /// conversation, the same system prompt and tools) prefill only the rest; 0 turns it off.
+    /// On CUDA each takes a sequence slot of `--context` tokens besides `--max-batch`'s.
+    #[arg(long, default_value_t = 8)]
+    prefix_cache: usize,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 32 << 20)]
     max_body_bytes: usize,
@@ -569,6 +574,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             },
             |n| n as usize,
         ),
+        prefix_cache: args.prefix_cache,
         max_body_bytes: args.max_body_bytes,
         shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace),
     };
@@ -584,12 +590,13 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
 }
 
-/// Serves on the GPU: one CUDA sequence slot per `--max-batch`, each `--context` long.
+/// Serves on the GPU: one CUDA sequence slot per `--max-batch` and per `--prefix-cache` entry,
+/// each `--context` long.
 #[cfg(feature = "cuda")]
 fn serve_on_cuda(model: Arc<Model>, served: ServedModel, options: ServeOptions) -> Result<()> {
     let cuda = lily::backend::cuda::CudaOptions {
         max_context: options.context.min(served.max_position_embeddings),
-        max_sequences: options.max_batch,
+        max_sequences: options.max_batch + options.prefix_cache,
         use_graphs: true,
         prefill_chunk: options.prefill_chunk,
     };

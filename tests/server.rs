@@ -46,6 +46,7 @@ struct Limits {
     prefill_chunk: usize,
     context: usize,
     max_body_bytes: usize,
+    prefix_cache: usize,
 }
 
 impl Default for Limits {
@@ -56,6 +57,7 @@ impl Default for Limits {
             prefill_chunk: 16,
             context: 4096,
             max_body_bytes: 1 << 20,
+            prefix_cache: 8,
         }
     }
 }
@@ -78,6 +80,7 @@ fn start(source: Option<&Path>, limits: Limits, api_key: Option<&str>) -> Server
             max_batch: limits.max_batch,
             max_queue: limits.max_queue,
             prefill_chunk: limits.prefill_chunk,
+            prefix_cache: limits.prefix_cache,
         },
     )
     .unwrap();
@@ -455,6 +458,137 @@ async fn logprobs_list_the_chosen_and_top_tokens() {
     assert_eq!(l["tokens"].as_array().unwrap().len(), 4);
     assert_eq!(l["top_logprobs"][0].as_object().unwrap().len(), 2);
     assert_eq!(l["text_offset"][0], 0);
+}
+
+/// A long system prompt (the demo's tokenizer has one token per byte), so that its prefixes are
+/// long enough for the prefix cache.
+fn long_system() -> String {
+    "You are a careful assistant. Answer briefly and never guess. ".repeat(3)
+}
+
+fn conversation(messages: Value) -> Value {
+    json!({"model": "lily-demo", "messages": messages, "temperature": 0, "max_tokens": 12,
+           "logit_bias": no_eos(), "return_token_ids": true})
+}
+
+fn cached_tokens(reply: &Value) -> u64 {
+    reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {reply}"))
+}
+
+fn metric_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+/// The next turn of a conversation, and another conversation with the same system prompt, start
+/// from cached states, and their replies are the ones an engine without the cache gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefix_cache_serves_later_turns_and_changes_no_reply() {
+    let cached = demo();
+    let uncached = start(
+        None,
+        Limits {
+            prefix_cache: 0,
+            ..Limits::default()
+        },
+        None,
+    );
+    let system = json!({"role": "system", "content": long_system()});
+    let first = conversation(json!([system, {"role": "user", "content": "What is 2 + 2?"}]));
+    let second_user = json!({"role": "user", "content": "And 3 + 3?"});
+    let other = conversation(json!([system, {"role": "user", "content": "Name a colour."}]));
+
+    let mut replies = Vec::new();
+    for server in [&cached, &uncached] {
+        let (status, one) = post(server, "/v1/chat/completions", first.clone()).await;
+        assert_eq!(status, StatusCode::OK, "{one}");
+        let message = &one["choices"][0]["message"];
+        let reply = json!({"role": "assistant", "content": message["content"],
+                           "reasoning_content": message["reasoning_content"]});
+        let next = conversation(json!([system, first["messages"][1], reply, second_user]));
+        let (_, two) = post(server, "/v1/chat/completions", next).await;
+        let (_, three) = post(server, "/v1/chat/completions", other.clone()).await;
+        replies.push([one, two, three]);
+    }
+    // Where the prompt's messages start (each with `<|im_start|>`, the prompt's first token).
+    let message_starts = |reply: &Value| -> Vec<u64> {
+        let ids = reply["prompt_token_ids"].as_array().unwrap();
+        (0..ids.len() as u64)
+            .filter(|&i| ids[i as usize] == ids[0])
+            .collect()
+    };
+    let [one, two, three] = &replies[0];
+    let [one_u, two_u, three_u] = &replies[1];
+    for (a, b) in [(one, one_u), (two, two_u), (three, three_u)] {
+        assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+        assert_eq!(a["usage"]["prompt_tokens"], b["usage"]["prompt_tokens"]);
+        assert_eq!(cached_tokens(b), 0);
+    }
+    assert_eq!(cached_tokens(one), 0);
+    // The second turn repeats the first prompt up to its generation prompt, at least.
+    let generation_prompt = *message_starts(one).last().unwrap();
+    assert!(
+        cached_tokens(two) >= generation_prompt
+            && cached_tokens(two) < two["usage"]["prompt_tokens"].as_u64().unwrap(),
+        "{two}"
+    );
+    // The other conversation shares the system block: everything before its user message.
+    assert_eq!(cached_tokens(three), message_starts(three)[1], "{three}");
+
+    let (_, text) = get(&cached, "/metrics").await;
+    assert_eq!(metric_value(&text, "lily_prefix_cache_hits_total"), 2.0);
+    assert_eq!(
+        metric_value(&text, "lily_prompt_tokens_cached_total"),
+        (cached_tokens(two) + cached_tokens(three)) as f64
+    );
+    assert!(metric_value(&text, "lily_prefix_cache_entries") >= 3.0);
+}
+
+/// A finished sequence leaves its state, so a prompt that continues its output (a completion
+/// fed back) starts after it; the same prompt again prefills one token; replies are unchanged.
+#[tokio::test]
+async fn a_finished_sequence_is_continued_from_the_cache() {
+    let dir = fixture("tiny-text");
+    let cached = start(Some(&dir), Limits::default(), None);
+    let uncached = start(
+        Some(&dir),
+        Limits {
+            prefix_cache: 0,
+            ..Limits::default()
+        },
+        None,
+    );
+    let prompt: Vec<u32> = (0..80u32).map(|i| (i * 37 + 11) % 200).collect();
+    let body = |prompt: &[u32]| json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "return_token_ids": true});
+    let mut runs = Vec::new();
+    for server in [&cached, &uncached] {
+        let (status, first) = post(server, "/v1/completions", body(&prompt)).await;
+        assert_eq!(status, StatusCode::OK, "{first}");
+        let ids: Vec<u32> =
+            serde_json::from_value(first["choices"][0]["token_ids"].clone()).unwrap();
+        let mut continued = prompt.clone();
+        continued.extend(&ids);
+        continued.extend([5, 6, 7]);
+        let (_, next) = post(server, "/v1/completions", body(&continued)).await;
+        let (_, again) = post(server, "/v1/completions", body(&prompt)).await;
+        runs.push([first, next, again]);
+    }
+    for (a, b) in runs[0].iter().zip(&runs[1]) {
+        assert_eq!(a["choices"][0]["token_ids"], b["choices"][0]["token_ids"]);
+        assert_eq!(cached_tokens(b), 0);
+    }
+    let [first, next, again] = &runs[0];
+    assert_eq!(cached_tokens(first), 0);
+    // Every token the first request fed to the model: its prompt and all its ids but the last.
+    let generated = first["choices"][0]["token_ids"].as_array().unwrap().len() as u64;
+    assert!(generated > 1, "{first}");
+    assert_eq!(cached_tokens(next), 80 + generated - 1, "{next}");
+    assert_eq!(cached_tokens(again), 80 - 1, "{again}");
 }
 
 /// The greedy ids of the tiny fixtures through the server match transformers' (`golden.json`),

@@ -9,6 +9,11 @@
 //! so a long prompt delays the running streams by one chunk per step, not by its whole length.
 //! A sequence whose event receiver is gone (the client disconnected) is dropped, with its state,
 //! before the next step.
+//!
+//! A [`PrefixCache`] keeps states for later requests: a new request starts from the longest
+//! cached prefix of its prompt (a copy of that state, see [`Backend::fork`]), prefill stops at
+//! each of the request's `cache_points` to store a copy, and a sequence that finishes leaves its
+//! own state behind, keyed by every token it fed to the model.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -20,6 +25,7 @@ use anyhow::{Context, Result};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use super::generate::{FinishReason, GenerationParams, Output};
+use super::prefix_cache::{MIN_CACHED_PREFIX, PrefixCache};
 use super::sampler::{Sampler, TokenLogprob, top_logprobs};
 use crate::backend::{Backend, DeviceDraw, LogitsFor};
 use crate::text::tokenizer::Tokenizer;
@@ -33,12 +39,19 @@ pub struct EngineOptions {
     pub max_queue: usize,
     /// Prompt tokens prefilled per engine step.
     pub prefill_chunk: usize,
+    /// Sequence states the prefix cache keeps (0 turns it off). A backend with a fixed pool of
+    /// states needs `max_batch + prefix_cache` of them.
+    pub prefix_cache: usize,
 }
 
 /// One generation to run.
 #[derive(Clone, Debug)]
 pub struct GenerationRequest {
     pub prompt: Vec<u32>,
+    /// Prompt lengths at which to keep a copy of the state in the prefix cache, for later
+    /// prompts that share those tokens (chat: where the last message starts). Lengths under
+    /// [`MIN_CACHED_PREFIX`] or not inside the prompt are ignored.
+    pub cache_points: Vec<usize>,
     pub params: GenerationParams,
     /// `Some(k)`: report each chosen token's log-probability and the `k` most likely tokens.
     pub logprobs: Option<usize>,
@@ -65,6 +78,8 @@ pub enum Event {
     Finished {
         reason: FinishReason,
         completion_tokens: usize,
+        /// Prompt tokens taken from the prefix cache instead of prefilled.
+        cached_tokens: usize,
     },
     Failed(String),
 }
@@ -86,7 +101,14 @@ pub struct EngineMetrics {
     pub requests_finished: AtomicU64,
     pub requests_failed: AtomicU64,
     pub requests_cancelled: AtomicU64,
+    /// Prompt tokens prefilled (not those taken from the prefix cache).
     pub prompt_tokens: AtomicU64,
+    /// Prompt tokens taken from the prefix cache.
+    pub cached_prompt_tokens: AtomicU64,
+    /// Requests that started from a cached prefix.
+    pub prefix_cache_hits: AtomicU64,
+    /// States the prefix cache holds.
+    pub prefix_cache_entries: AtomicUsize,
     pub generated_tokens: AtomicU64,
     pub prefill_micros: AtomicU64,
     pub decode_steps: AtomicU64,
@@ -159,7 +181,7 @@ struct Shared {
 
 /// What handles send to the engine thread.
 enum Message {
-    Submit(Submission),
+    Submit(Box<Submission>),
     CancelAll,
 }
 
@@ -228,6 +250,7 @@ impl Engine {
                     messages: receiver,
                     waiting: VecDeque::new(),
                     running: Vec::new(),
+                    cache: PrefixCache::new(options.prefix_cache),
                 }
                 .run();
             })
@@ -283,7 +306,11 @@ impl EngineHandle {
             events,
             submitted: Instant::now(),
         };
-        if self.messages.send(Message::Submit(submission)).is_err() {
+        if self
+            .messages
+            .send(Message::Submit(Box::new(submission)))
+            .is_err()
+        {
             self.shared.metrics.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(SubmitError::ShuttingDown);
         }
@@ -320,8 +347,12 @@ impl EngineHandle {
 struct Sequence<'t, S> {
     state: S,
     prompt: Vec<u32>,
-    /// Prompt tokens already prefilled.
+    /// Prompt tokens already prefilled (or taken from the prefix cache).
     prefilled: usize,
+    /// Prompt lengths still ahead at which prefill stores a copy of the state, ascending.
+    cache_points: Vec<usize>,
+    /// Prompt tokens taken from the prefix cache.
+    cached_tokens: usize,
     sampler: Sampler,
     output: Output<'t>,
     events: UnboundedSender<Event>,
@@ -337,6 +368,8 @@ struct Sequence<'t, S> {
     submitted: Instant,
     first_token_sent: bool,
     done: bool,
+    /// Finished with a stop or the length limit: its state is consistent and may be cached.
+    finished: bool,
 }
 
 struct EngineLoop<'a, B: Backend> {
@@ -346,6 +379,7 @@ struct EngineLoop<'a, B: Backend> {
     messages: UnboundedReceiver<Message>,
     waiting: VecDeque<Submission>,
     running: Vec<Sequence<'a, B::State>>,
+    cache: PrefixCache<B::State>,
 }
 
 impl<'a, B: Backend> EngineLoop<'a, B> {
@@ -370,7 +404,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
 
     fn receive(&mut self, message: Message) {
         match message {
-            Message::Submit(submission) => self.waiting.push_back(submission),
+            Message::Submit(submission) => self.waiting.push_back(*submission),
             Message::CancelAll => self.fail_everything("the server is shutting down"),
         }
     }
@@ -430,7 +464,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         metrics.running.store(self.running.len(), Ordering::Release);
     }
 
-    fn start(&self, submission: Submission) -> Result<Sequence<'a, B::State>> {
+    fn start(&mut self, submission: Submission) -> Result<Sequence<'a, B::State>> {
         let Submission {
             request,
             events,
@@ -452,10 +486,20 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         let device_sampled = self.backend.samples_on_device()
             && request.params.sampling.is_drawable_anywhere()
             && reports_nothing;
+        let (state, cached_tokens) = self.start_state(&request.prompt)?;
+        let mut cache_points: Vec<usize> = request
+            .cache_points
+            .into_iter()
+            .filter(|&p| p >= MIN_CACHED_PREFIX.max(cached_tokens + 1) && p <= request.prompt.len())
+            .collect();
+        cache_points.sort_unstable();
+        cache_points.dedup();
         Ok(Sequence {
-            state: self.backend.new_state()?,
+            state,
             prompt: request.prompt,
-            prefilled: 0,
+            prefilled: cached_tokens,
+            cache_points,
+            cached_tokens,
             sampler,
             output: Output::new(&request.params, self.tokenizer).skipping_special_tokens(),
             events,
@@ -467,40 +511,76 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             submitted,
             first_token_sent: false,
             done: false,
+            finished: false,
         })
     }
 
-    /// Prefills up to `prefill_chunk` prompt tokens, oldest request first.
+    /// A copy of the longest cached prefix's state and its length, else a fresh state.
+    fn start_state(&mut self, prompt: &[u32]) -> Result<(B::State, usize)> {
+        if let Some((cached, state)) = self.cache.longest_prefix(prompt) {
+            match self.backend.fork(state) {
+                Ok(state) => {
+                    let metrics = self.metrics();
+                    metrics.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
+                    metrics
+                        .cached_prompt_tokens
+                        .fetch_add(cached as u64, Ordering::Relaxed);
+                    return Ok((state, cached));
+                }
+                Err(e) => tracing::warn!(
+                    error = format!("{e:#}"),
+                    "cannot copy a cached prefix; prefilling the whole prompt"
+                ),
+            }
+        }
+        Ok((self.backend.new_state()?, 0))
+    }
+
+    /// Prefills up to `prefill_chunk` prompt tokens, oldest request first, stopping at each
+    /// cache point to store a copy of the state.
     fn prefill_step(&mut self) {
         let mut budget = self.shared.options.prefill_chunk;
         let metrics = self.metrics();
         for s in self.running.iter_mut() {
-            if budget == 0 {
-                break;
-            }
-            if s.done || s.prefilled == s.prompt.len() {
-                continue;
-            }
-            let end = s.prompt.len().min(s.prefilled + budget);
-            let chunk = &s.prompt[s.prefilled..end];
-            let last = end == s.prompt.len();
-            let start = Instant::now();
-            let result = self.backend.prefill(&mut s.state, chunk, LogitsFor::Last);
-            metrics
-                .prefill_micros
-                .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
-            metrics
-                .prompt_tokens
-                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
-            budget -= chunk.len();
-            s.prefilled = end;
-            match result {
-                Ok(mut logits) if last => match choose(s, &mut logits, self.tokenizer) {
-                    Ok(chosen) => emit(s, chosen, metrics),
-                    Err(e) => fail(s, &e, metrics),
-                },
-                Ok(_) => {}
-                Err(e) => fail(s, &e, metrics),
+            while budget > 0 && !s.done && s.prefilled < s.prompt.len() {
+                let point = s.cache_points.first().copied();
+                let end = s
+                    .prompt
+                    .len()
+                    .min(s.prefilled + budget)
+                    .min(point.unwrap_or(usize::MAX));
+                let chunk = &s.prompt[s.prefilled..end];
+                let last = end == s.prompt.len();
+                let start = Instant::now();
+                let result = self.backend.prefill(&mut s.state, chunk, LogitsFor::Last);
+                metrics
+                    .prefill_micros
+                    .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
+                metrics
+                    .prompt_tokens
+                    .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                budget -= chunk.len();
+                s.prefilled = end;
+                let mut logits = match result {
+                    Ok(logits) => logits,
+                    Err(e) => {
+                        fail(s, &e, metrics);
+                        break;
+                    }
+                };
+                if point == Some(end) {
+                    s.cache_points.remove(0);
+                    keep_copy(&mut self.cache, self.backend, &s.prompt[..end], &s.state);
+                    metrics
+                        .prefix_cache_entries
+                        .store(self.cache.len(), Ordering::Relaxed);
+                }
+                if last {
+                    match choose(s, &mut logits, self.tokenizer) {
+                        Ok(chosen) => emit(s, chosen, metrics),
+                        Err(e) => fail(s, &e, metrics),
+                    }
+                }
             }
         }
     }
@@ -590,11 +670,47 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         }
     }
 
+    /// Drops the sequences that are done; one that finished leaves its state to the prefix
+    /// cache, keyed by the tokens it fed to the model (the prompt and every chosen token but the
+    /// last, which ended it).
     fn retire_finished(&mut self) {
-        self.running.retain(|s| !s.done);
-        self.metrics()
-            .running
-            .store(self.running.len(), Ordering::Release);
+        let (done, running) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|s| s.done);
+        self.running = running;
+        for s in done {
+            let mut fed = s.prompt;
+            fed.extend_from_slice(&s.output.ids[..s.output.ids.len().saturating_sub(1)]);
+            if s.finished && fed.len() >= MIN_CACHED_PREFIX && !self.cache.contains(&fed) {
+                self.cache.insert(fed, s.state);
+            }
+        }
+        let metrics = self.metrics();
+        metrics.running.store(self.running.len(), Ordering::Release);
+        metrics
+            .prefix_cache_entries
+            .store(self.cache.len(), Ordering::Relaxed);
+    }
+}
+
+/// Stores a copy of `state`, the state after `tokens`, unless the cache holds one already. A
+/// failed copy (no free state on the device) only costs the entry.
+fn keep_copy<B: Backend>(
+    cache: &mut PrefixCache<B::State>,
+    backend: &B,
+    tokens: &[u32],
+    state: &B::State,
+) {
+    if !cache.is_enabled() || cache.contains(tokens) {
+        return;
+    }
+    cache.make_room();
+    match backend.fork(state) {
+        Ok(copy) => cache.insert(tokens.to_vec(), copy),
+        Err(e) => tracing::warn!(
+            error = format!("{e:#}"),
+            "cannot copy a state into the prefix cache"
+        ),
     }
 }
 
@@ -658,10 +774,12 @@ fn emit<S>(
     match pushed.finish {
         Some(reason) => {
             s.done = true;
+            s.finished = true;
             metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
             let _ = s.events.send(Event::Finished {
                 reason,
                 completion_tokens: s.output.ids.len(),
+                cached_tokens: s.cached_tokens,
             });
         }
         None => s.next_token = Some(id),

@@ -117,7 +117,8 @@ pub async fn chat_completions(
     })
     .await?;
     let budget = plan.token_budget(prompt.len(), "messages", &app)?;
-    let receivers = plan.submit(&app, &prompt, budget, logprobs)?;
+    let cache_points = message_starts(&prompt, tokenizer.token_id("<|im_start|>"));
+    let receivers = plan.submit(&app, &prompt, &cache_points, budget, logprobs)?;
 
     let reply = Reply {
         id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
@@ -136,6 +137,7 @@ pub async fn chat_completions(
                 token_ids: Vec::new(),
                 finish: None,
                 completion_tokens: 0,
+                cached_tokens: 0,
             })
             .collect(),
         include_usage: plan.include_usage,
@@ -147,6 +149,24 @@ pub async fn chat_completions(
 
 /// Messages as the template expects them: OpenAI's `developer` role as `system`, text parts
 /// kept, and tool-call arguments (a JSON string in OpenAI's format) as objects.
+/// Where the prompt is worth keeping in the prefix cache: where the first message after the
+/// system block starts (other conversations with the same system prompt and tools share what is
+/// before) and where the last one, the generation prompt, starts (the next turn of this
+/// conversation repeats everything before it; what comes after, the opened assistant turn, is
+/// rendered differently once the reply is in the history).
+fn message_starts(prompt: &[u32], im_start: Option<u32>) -> Vec<usize> {
+    let Some(im_start) = im_start else {
+        return Vec::new();
+    };
+    let mut starts = prompt
+        .iter()
+        .enumerate()
+        .filter(|&(i, &id)| i > 0 && id == im_start)
+        .map(|(i, _)| i);
+    let first = starts.next();
+    first.into_iter().chain(starts.next_back()).collect()
+}
+
 fn template_messages(messages: Vec<ChatMessage>) -> Result<Value, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "`messages` is empty."));
@@ -244,6 +264,8 @@ struct ChoiceOutput {
     token_ids: Vec<u32>,
     finish: Option<&'static str>,
     completion_tokens: usize,
+    /// Prompt tokens the engine took from its prefix cache.
+    cached_tokens: usize,
 }
 
 impl ChoiceOutput {
@@ -362,9 +384,11 @@ impl Reply {
             Event::Finished {
                 reason,
                 completion_tokens,
+                cached_tokens,
             } => {
                 let delta = choice.push("", true);
                 choice.completion_tokens = completion_tokens;
+                choice.cached_tokens = cached_tokens;
                 let finish = match reason {
                     FinishReason::Stop if choice.made_calls() => "tool_calls",
                     FinishReason::Stop => "stop",
@@ -391,6 +415,11 @@ impl Reply {
         Usage::new(
             self.prompt_tokens,
             self.choices.iter().map(|c| c.completion_tokens).sum(),
+            self.choices
+                .iter()
+                .map(|c| c.cached_tokens)
+                .max()
+                .unwrap_or(0),
         )
     }
 
@@ -582,6 +611,25 @@ mod tests {
             json!({"city": "Paris"})
         );
         assert_eq!(out[3]["tool_call_id"], "call_1");
+    }
+
+    #[test]
+    fn cache_points_are_the_second_and_the_last_message_starts() {
+        const S: u32 = 7;
+        // system, user, assistant (generation prompt)
+        assert_eq!(
+            message_starts(&[S, 1, 2, S, 3, 4, S, 5], Some(S)),
+            vec![3, 6]
+        );
+        // user, generation prompt: one point
+        assert_eq!(message_starts(&[S, 1, 2, S, 5], Some(S)), vec![3]);
+        // many messages: the second start and the last
+        assert_eq!(
+            message_starts(&[S, 1, S, 2, S, 3, S, 4, S], Some(S)),
+            vec![2, 8]
+        );
+        assert!(message_starts(&[S, 1, 2], Some(S)).is_empty());
+        assert!(message_starts(&[1, 2, 3], None).is_empty());
     }
 
     #[test]

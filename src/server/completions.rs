@@ -75,7 +75,8 @@ pub async fn completions(
         }
     };
     let budget = plan.token_budget(prompt.len(), "prompt", &app)?;
-    let receivers = plan.submit(&app, &prompt, budget, logprobs)?;
+    // Up to the last token, so that the same prompt again prefills one token.
+    let receivers = plan.submit(&app, &prompt, &[prompt.len() - 1], budget, logprobs)?;
     let reply = Reply {
         id: format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
         created: unix_now(),
@@ -91,6 +92,7 @@ pub async fn completions(
                 token_ids: Vec::new(),
                 finish: None,
                 completion_tokens: 0,
+                cached_tokens: 0,
                 started: false,
             })
             .collect(),
@@ -144,6 +146,8 @@ struct ChoiceOutput {
     token_ids: Vec<u32>,
     finish: Option<&'static str>,
     completion_tokens: usize,
+    /// Prompt tokens the engine took from its prefix cache.
+    cached_tokens: usize,
     /// Whether a chunk of this choice has been streamed (the echo goes in the first).
     started: bool,
 }
@@ -197,8 +201,10 @@ impl Reply {
             Event::Finished {
                 reason,
                 completion_tokens,
+                cached_tokens,
             } => {
                 choice.completion_tokens = completion_tokens;
+                choice.cached_tokens = cached_tokens;
                 let finish = match reason {
                     FinishReason::Stop => "stop",
                     FinishReason::Length => "length",
@@ -224,6 +230,11 @@ impl Reply {
         Usage::new(
             self.prompt_tokens,
             self.choices.iter().map(|c| c.completion_tokens).sum(),
+            self.choices
+                .iter()
+                .map(|c| c.cached_tokens)
+                .max()
+                .unwrap_or(0),
         )
     }
 

@@ -201,11 +201,13 @@ impl Plan {
     }
 
     /// Queues one engine request per choice. With a seed, choice `i` draws with `seed + i`, so
-    /// choices differ but the response is reproducible.
+    /// choices differ but the response is reproducible. `cache_points` are the prompt lengths
+    /// worth keeping in the prefix cache (see `GenerationRequest`).
     pub fn submit(
         &self,
         app: &AppState,
         prompt: &[u32],
+        cache_points: &[usize],
         max_tokens: usize,
         logprobs: Option<usize>,
     ) -> Result<Vec<UnboundedReceiver<Event>>, ApiError> {
@@ -215,6 +217,7 @@ impl Plan {
                 sampling.seed = sampling.seed.map(|s| s.wrapping_add(i as u64));
                 let request = GenerationRequest {
                     prompt: prompt.to_vec(),
+                    cache_points: cache_points.to_vec(),
                     params: GenerationParams {
                         max_tokens,
                         sampling,

@@ -1,5 +1,6 @@
 //! `/metrics`: the server's counters in the Prometheus text format (requests by route and
-//! status, tokens in and out, queue depth, prefill and decode speed, time to first token).
+//! status, tokens in and out, prefix-cache hits, queue depth, prefill and decode speed, time to
+//! first token).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -76,8 +77,18 @@ pub async fn render(State(app): State<Arc<AppState>>) -> impl IntoResponse {
         ),
         (
             "lily_prompt_tokens_total",
-            "Prompt tokens prefilled.",
+            "Prompt tokens prefilled (those taken from the prefix cache are not).",
             load(&m.prompt_tokens),
+        ),
+        (
+            "lily_prompt_tokens_cached_total",
+            "Prompt tokens taken from the prefix cache instead of prefilled.",
+            load(&m.cached_prompt_tokens),
+        ),
+        (
+            "lily_prefix_cache_hits_total",
+            "Requests that started from a cached prefix of their prompt.",
+            load(&m.prefix_cache_hits),
         ),
         (
             "lily_generation_tokens_total",
@@ -115,6 +126,12 @@ pub async fn render(State(app): State<Arc<AppState>>) -> impl IntoResponse {
             "gauge",
             "Sequences being generated.",
             m.running.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "lily_prefix_cache_entries",
+            "gauge",
+            "Sequence states the prefix cache holds.",
+            m.prefix_cache_entries.load(Ordering::Relaxed) as f64,
         ),
         (
             "lily_prefill_seconds_total",

@@ -56,6 +56,8 @@ pub struct ServeOptions {
     pub context: usize,
     /// Prompt tokens prefilled per engine step.
     pub prefill_chunk: usize,
+    /// Sequence states kept for prompts that start the same way (0: none).
+    pub prefix_cache: usize,
     pub max_body_bytes: usize,
     /// How long a shutdown waits for running requests before cancelling them.
     pub shutdown_grace: Duration,
@@ -373,6 +375,7 @@ where
             max_batch: options.max_batch,
             max_queue: options.max_queue,
             prefill_chunk: options.prefill_chunk,
+            prefix_cache: options.prefix_cache,
         },
     )?;
     let app = Arc::new(AppState::new(

@@ -348,6 +348,40 @@ def test_errors_reach_the_client_as_openai_errors(demo):
     assert greedy_chat(client, "still fine", max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_the_next_turn_reports_cached_tokens_and_the_same_reply(demo):
+    """An agent's second turn starts from the prefix cache (`usage.prompt_tokens_details`) and
+    gets the reply a server without the cache gives."""
+    system = {"role": "system", "content": "You are terse. Use the tools you are given. " * 4}
+    user = {"role": "user", "content": "What is the weather in Paris?"}
+    kwargs = dict(model="lily-demo", temperature=0, max_tokens=10, tools=[WEATHER_TOOL],
+                  logit_bias=NO_EOS, extra_body={"return_token_ids": True})
+    uncached = Server("--prefix-cache", "0")
+    try:
+        turns = []
+        for server in (demo, uncached):
+            client = server.client()
+            first = client.chat.completions.create(messages=[system, user], **kwargs)
+            reply = {"role": "assistant", "content": first.choices[0].message.content,
+                     "reasoning_content": first.choices[0].message.model_extra["reasoning_content"]}
+            follow_up = {"role": "user", "content": "And in Rome?"}
+            second = client.chat.completions.create(
+                messages=[system, user, reply, follow_up], **kwargs
+            )
+            turns.append((first, second))
+    finally:
+        assert uncached.stop() == 0
+    (first, second), (first_u, second_u) = turns
+    assert first.choices[0].message == first_u.choices[0].message
+    assert second.choices[0].message == second_u.choices[0].message
+    assert second_u.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # At least the first prompt up to its last message, the opened assistant turn.
+    ids = first.model_extra["prompt_token_ids"]
+    generation_prompt = max(i for i, t in enumerate(ids) if t == ids[0])
+    assert generation_prompt <= cached < second.usage.prompt_tokens
+    assert demo.metric("lily_prefix_cache_hits_total") >= 1
+
+
 def test_api_key():
     server = Server("--api-key", "sekrit")
     try:
