@@ -486,7 +486,9 @@ fn metric_value(text: &str, name: &str) -> f64 {
 }
 
 /// The next turn of a conversation, and another conversation with the same system prompt, start
-/// from cached states, and their replies are the ones an engine without the cache gives.
+/// from cached states, and their replies are the ones an engine without the cache gives. (A
+/// cached prefix moves the DeltaNet's prefill chunks, so logits differ by rounding, ~1e-5 here;
+/// these greedy replies have no near ties, and a wrong state changes them all.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_prefix_cache_serves_later_turns_and_changes_no_reply() {
     let cached = demo();
