@@ -75,8 +75,9 @@ pub async fn completions(
         }
     };
     let budget = plan.token_budget(prompt.len(), "prompt", &app)?;
-    // Up to the last token, so that the same prompt again prefills one token.
-    let receivers = plan.submit(&app, &prompt, &[prompt.len() - 1], budget, logprobs)?;
+    // No cache points: a raw prompt has no known place where later ones diverge, and each point
+    // splits the prefill. A finished completion still leaves its state for a continuation.
+    let receivers = plan.submit(&app, &prompt, &[], budget, logprobs)?;
     let reply = Reply {
         id: format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
         created: unix_now(),
