@@ -594,6 +594,104 @@ async fn a_finished_sequence_is_continued_from_the_cache() {
     assert_eq!(cached_tokens(again), 0, "{again}");
 }
 
+fn colour_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "colour": {"enum": ["red", "green", "blue"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["ok", "colour", "count"],
+        "additionalProperties": false,
+    })
+}
+
+/// Whether `content` is a JSON object that `colour_schema` accepts.
+fn follows_colour_schema(content: &str) -> bool {
+    let Ok(Value::Object(v)) = serde_json::from_str::<Value>(content) else {
+        return false;
+    };
+    v.len() == 3
+        && v["ok"].is_boolean()
+        && ["red", "green", "blue"].contains(&v["colour"].as_str().unwrap_or(""))
+        && v["count"].as_u64().is_some_and(|c| c <= 99)
+}
+
+/// `response_format` holds the random demo model to a JSON schema, in whole and streamed replies,
+/// with sampling and several choices; `json_object` to an object; with the thought open, from
+/// where the model closes it.
+#[tokio::test]
+async fn structured_output_follows_the_json_schema() {
+    let server = demo();
+    let format = json!({"type": "json_schema",
+                        "json_schema": {"name": "colour", "strict": true, "schema": colour_schema()}});
+    let body = chat(
+        "Pick a colour.",
+        json!({"response_format": format, "max_tokens": 64,
+               "chat_template_kwargs": {"enable_thinking": false}}),
+    );
+    let (status, whole) = post(&server, "/v1/chat/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    let content = whole["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(follows_colour_schema(content), "{content:?}");
+    assert_eq!(whole["choices"][0]["finish_reason"], "stop");
+    let (_, events) = stream(&server, "/v1/chat/completions", body.clone()).await;
+    assert_eq!(streamed_chat(&events).1, content);
+
+    let mut sampled = body.clone();
+    sampled["temperature"] = json!(1.0);
+    sampled["seed"] = json!(3);
+    sampled["n"] = json!(4);
+    let (_, v) = post(&server, "/v1/chat/completions", sampled).await;
+    for choice in v["choices"].as_array().unwrap() {
+        let content = choice["message"]["content"].as_str().unwrap();
+        assert!(follows_colour_schema(content), "{content:?}");
+    }
+
+    // `json_object`: the closing brace favoured, so the object ends at once.
+    let object = chat(
+        "Reply in JSON.",
+        json!({"response_format": {"type": "json_object"}, "logit_bias": {"125": 50},
+               "chat_template_kwargs": {"enable_thinking": false}}),
+    );
+    let (_, v) = post(&server, "/v1/chat/completions", object).await;
+    assert_eq!(v["choices"][0]["message"]["content"], "{}", "{v}");
+
+    // Thinking on: the grammar starts at `</think>` (id 260, favoured so the thought closes).
+    let thinking = chat(
+        "Pick a colour.",
+        json!({"response_format": format, "max_tokens": 64, "logit_bias": {"260": 100}}),
+    );
+    let (_, v) = post(&server, "/v1/chat/completions", thinking).await;
+    let message = &v["choices"][0]["message"];
+    assert!(
+        follows_colour_schema(message["content"].as_str().unwrap()),
+        "{v}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+}
+
+#[tokio::test]
+async fn unusable_response_formats_are_refused() {
+    let server = demo();
+    for format in [
+        json!({"type": "json_schema"}),
+        json!({"type": "xml"}),
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": [1, 2]}}),
+    ] {
+        let (status, v) = post(
+            &server,
+            "/v1/chat/completions",
+            chat("hi", json!({"response_format": format})),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{format}: {v}");
+        assert_eq!(error_of(&v).1, Some("response_format"), "{v}");
+    }
+}
+
 /// The greedy ids of the tiny fixtures through the server match transformers' (`golden.json`),
 /// with both prompts running at once and the long one prefilled in chunks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -883,7 +981,7 @@ async fn malformed_requests_get_openai_errors() {
         ),
         (
             "/v1/chat/completions",
-            chat("x", json!({"response_format": {"type": "json_object"}})),
+            chat("x", json!({"response_format": {"type": "yaml"}})),
             "response_format",
         ),
         (

@@ -311,3 +311,64 @@ fn real_vocabulary_decode_round_trip() {
     // The corpus must split some characters across tokens, or the streaming check proved little.
     assert!(held_back > 0);
 }
+
+/// Structured output over the real vocabulary: the tokens of a reply that follows the schema are
+/// each allowed in turn (however the tokenizer split the text), then only `<|im_end|>`; a token
+/// that breaks the format is not; with the thought open, nothing is masked until `</think>`.
+#[test]
+#[ignore = "needs the generated Qwen tokenizer: run through tests/python/test_tokenizer.py"]
+fn real_vocabulary_structured_output() {
+    use lily::engine::constraint::Grammars;
+    use std::sync::Arc;
+
+    let dir = PathBuf::from(
+        std::env::var_os("LILY_QWEN_TOKENIZER_DIR")
+            .expect("LILY_QWEN_TOKENIZER_DIR must name the directory the Python test generates"),
+    );
+    let tokenizer = Arc::new(Tokenizer::from_model_dir(&dir).unwrap());
+    let im_end = tokenizer.token_id("<|im_end|>").unwrap();
+    let think_end = tokenizer.token_id("</think>").unwrap();
+    let grammars = Grammars::new(tokenizer.clone(), im_end).unwrap();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "n": {"type": "number"},
+        },
+        "required": ["name", "tags", "n"],
+        "additionalProperties": false,
+    });
+    let allowed = |logits: &[f32]| logits.iter().filter(|l| l.is_finite()).count();
+    let reply = r#"{"name": "Zoë \"Z\" Müller", "tags": ["a b", "日本語", ""], "n": -12.5e3}"#;
+    let ids = tokenizer.encode(reply).unwrap();
+    let mut constraint = grammars.json(Some(&schema)).unwrap().after_thought();
+    let mut logits = vec![0.0f32; tokenizer.vocab_size()];
+    // The thought: free.
+    for &id in &tokenizer.encode("Let me think. {").unwrap() {
+        constraint.mask(&mut logits).unwrap();
+        assert_eq!(allowed(&logits), logits.len());
+        constraint.advance(id).unwrap();
+    }
+    constraint.mask(&mut logits).unwrap();
+    constraint.advance(think_end).unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        logits.fill(0.0);
+        constraint.mask(&mut logits).unwrap();
+        assert!(
+            logits[id as usize].is_finite(),
+            "token {i} ({id}) of {ids:?}"
+        );
+        assert!(!logits[im_end as usize].is_finite(), "ended early at {i}");
+        if i == 0 {
+            let prose = tokenizer.encode("Sure").unwrap()[0];
+            assert!(!logits[prose as usize].is_finite());
+        }
+        constraint.advance(id).unwrap();
+    }
+    logits.fill(0.0);
+    constraint.mask(&mut logits).unwrap();
+    assert!(logits[im_end as usize].is_finite());
+    assert_eq!(allowed(&logits), 1);
+    constraint.advance(im_end).unwrap();
+}

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
+use super::constraint::Constraint;
 use super::generate::{FinishReason, GenerationParams, Output};
 use super::prefix_cache::{MIN_CACHED_PREFIX, PrefixCache};
 use super::sampler::{Sampler, TokenLogprob, top_logprobs};
@@ -57,6 +58,8 @@ pub struct GenerationRequest {
     pub logprobs: Option<usize>,
     /// Added to the logits of the given ids before sampling.
     pub logit_bias: Vec<(u32, f32)>,
+    /// A grammar the reply must follow (structured output).
+    pub constraint: Option<Constraint>,
 }
 
 /// The log-probabilities reported for one chosen token.
@@ -360,6 +363,7 @@ struct Sequence<'t, S> {
     next_token: Option<u32>,
     logprobs: Option<usize>,
     logit_bias: Vec<(u32, f32)>,
+    constraint: Option<Constraint>,
     /// Plain argmax with nothing reported: the backend may pick the token itself.
     device_greedy: bool,
     /// A draw without penalties, bias or reported logprobs: a backend that samples on its own
@@ -481,7 +485,10 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
         }
         let sampler = Sampler::new(request.params.sampling.clone(), &request.prompt)?;
-        let reports_nothing = request.logprobs.is_none() && request.logit_bias.is_empty();
+        // Bias, reported logprobs and grammars need the logits on the host.
+        let reports_nothing = request.logprobs.is_none()
+            && request.logit_bias.is_empty()
+            && request.constraint.is_none();
         let device_greedy = request.params.sampling.is_greedy() && reports_nothing;
         let device_sampled = self.backend.samples_on_device()
             && request.params.sampling.is_drawable_anywhere()
@@ -506,6 +513,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             next_token: None,
             logprobs: request.logprobs,
             logit_bias: request.logit_bias,
+            constraint: request.constraint,
             device_greedy,
             device_sampled,
             submitted,
@@ -738,7 +746,13 @@ fn choose<S>(
     {
         logits[t.vocab_size()..].fill(f32::NEG_INFINITY);
     }
+    if let Some(c) = &mut s.constraint {
+        c.mask(logits)?;
+    }
     let sampled = s.sampler.sample(logits)?;
+    if let Some(c) = &mut s.constraint {
+        c.advance(sampled.token_id)?;
+    }
     let logprobs = s.logprobs.map(|k| TokenLogprobs {
         logprob: sampled.logprob,
         top: top_logprobs(logits, k),

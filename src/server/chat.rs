@@ -43,17 +43,30 @@ pub async fn chat_completions(
              /v1/completions with token-id prompts.",
         ));
     };
-    if let Some(format) = &chat.response_format
-        && format.kind != "text"
-    {
-        return Err(ApiError::invalid(
-            "response_format",
-            format!(
-                "response_format `{}` is not supported (only `text`).",
-                format.kind
-            ),
-        ));
-    }
+    // `Some(schema)`: structured output, `Some(None)` any JSON object.
+    let json_schema = match chat.response_format {
+        None => None,
+        Some(format) => match (format.kind.as_str(), format.json_schema) {
+            ("text", _) => None,
+            ("json_object", _) => Some(None),
+            ("json_schema", Some(spec)) => Some(spec.schema),
+            ("json_schema", None) => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "`response_format` of type `json_schema` needs a `json_schema` object.",
+                ));
+            }
+            (other, _) => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                        "response_format `{other}` is not supported (`text`, `json_object`, \
+                         `json_schema`)."
+                    ),
+                ));
+            }
+        },
+    };
     let logprobs = match (chat.logprobs.unwrap_or(false), chat.top_logprobs) {
         (false, None | Some(0)) => None,
         (false, Some(_)) => {
@@ -106,19 +119,47 @@ pub async fn chat_completions(
         .entry("add_generation_prompt")
         .or_insert(Value::Bool(true));
     let (template, encoder) = (template.clone(), tokenizer.clone());
-    let (prompt_text, prompt) = off_the_workers(move || {
+    let grammar_app = app.clone();
+    let (prompt_text, prompt, constraint) = off_the_workers(move || {
         let text = template
             .render(&Value::Object(context))
             .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
         let ids = encoder
             .encode(&text)
             .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
-        Ok((text, ids))
+        let constraint = match json_schema {
+            None => None,
+            Some(schema) => {
+                let grammars = grammar_app
+                    .grammars()
+                    .map_err(|e| ApiError::invalid("response_format", e))?;
+                let constraint = grammars.json(schema.as_ref()).map_err(|e| {
+                    ApiError::invalid(
+                        "response_format",
+                        format!("The JSON schema cannot be used: {e:#}"),
+                    )
+                })?;
+                // With the thought open the grammar starts where it closes.
+                Some(if opens_thought(&text) {
+                    constraint.after_thought()
+                } else {
+                    constraint
+                })
+            }
+        };
+        Ok((text, ids, constraint))
     })
     .await?;
     let budget = plan.token_budget(prompt.len(), "messages", &app)?;
     let cache_points = message_starts(&prompt, tokenizer.token_id("<|im_start|>"));
-    let receivers = plan.submit(&app, &prompt, &cache_points, budget, logprobs)?;
+    let receivers = plan.submit(
+        &app,
+        &prompt,
+        &cache_points,
+        budget,
+        logprobs,
+        constraint.as_ref(),
+    )?;
 
     let reply = Reply {
         id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
@@ -129,7 +170,7 @@ pub async fn chat_completions(
         prompt_ids: plan.return_token_ids.then_some(prompt.clone()),
         choices: (0..plan.n)
             .map(|_| ChoiceOutput {
-                splitter: ReasoningSplitter::new(prompt_text.trim_end().ends_with("<think>")),
+                splitter: ReasoningSplitter::new(opens_thought(&prompt_text)),
                 tool_parser: parse_tool_calls.then(|| ToolCallParser::new(tools.clone())),
                 tool_calls: 0,
                 message: AssistantMessage::default(),
@@ -154,6 +195,11 @@ pub async fn chat_completions(
 /// before) and where the last one, the generation prompt, starts (the next turn of this
 /// conversation repeats everything before it; what comes after, the opened assistant turn, is
 /// rendered differently once the reply is in the history).
+/// Whether the prompt leaves a thought open for the reply (Qwen's template with thinking on).
+fn opens_thought(prompt_text: &str) -> bool {
+    prompt_text.trim_end().ends_with("<think>")
+}
+
 fn message_starts(prompt: &[u32], im_start: Option<u32>) -> Vec<usize> {
     let Some(im_start) = im_start else {
         return Vec::new();

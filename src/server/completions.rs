@@ -77,7 +77,7 @@ pub async fn completions(
     let budget = plan.token_budget(prompt.len(), "prompt", &app)?;
     // No cache points: a raw prompt has no known place where later ones diverge, and each point
     // splits the prefill. A finished completion still leaves its state for a continuation.
-    let receivers = plan.submit(&app, &prompt, &[], budget, logprobs)?;
+    let receivers = plan.submit(&app, &prompt, &[], budget, logprobs, None)?;
     let reply = Reply {
         id: format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
         created: unix_now(),

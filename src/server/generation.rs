@@ -10,6 +10,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::AppState;
 use super::errors::ApiError;
 use super::openai::{CommonFields, Usage};
+use crate::engine::constraint::Constraint;
 use crate::engine::generate::GenerationParams;
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{Event, GenerationRequest};
@@ -210,6 +211,7 @@ impl Plan {
         cache_points: &[usize],
         max_tokens: usize,
         logprobs: Option<usize>,
+        constraint: Option<&Constraint>,
     ) -> Result<Vec<UnboundedReceiver<Event>>, ApiError> {
         (0..self.n)
             .map(|i| {
@@ -226,6 +228,7 @@ impl Plan {
                     },
                     logprobs,
                     logit_bias: self.logit_bias.clone(),
+                    constraint: constraint.cloned(),
                 };
                 app.engine.submit(request).map_err(ApiError::from)
             })

@@ -36,6 +36,7 @@ use self::errors::ApiError;
 use self::openai::{ModelCard, ModelList};
 use crate::backend::Backend;
 use crate::config::eos_token_ids;
+use crate::engine::constraint::Grammars;
 use crate::engine::scheduler::{Engine, EngineHandle, EngineOptions};
 use crate::model::Model;
 use crate::model::demo::{DEMO_MODEL_NAME, demo};
@@ -192,6 +193,8 @@ pub struct AppState {
     pub http_metrics: metrics::HttpMetrics,
     /// When the server started (Unix seconds), for `/v1/models`.
     pub started: u64,
+    /// Structured output's parser for the tokenizer, built on first use (a trie of every token).
+    grammars: std::sync::OnceLock<Result<Arc<Grammars>, String>>,
 }
 
 impl AppState {
@@ -208,7 +211,29 @@ impl AppState {
             api_key,
             http_metrics: metrics::HttpMetrics::default(),
             started: unix_now(),
+            grammars: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The structured-output parser for the served tokenizer (blocking: the first call builds
+    /// it). Replies end with `<|im_end|>`, else the model's first end-of-sequence id.
+    pub fn grammars(&self) -> Result<Arc<Grammars>, String> {
+        self.grammars
+            .get_or_init(|| {
+                let tokenizer = self
+                    .model
+                    .tokenizer
+                    .clone()
+                    .ok_or("this model has no tokenizer")?;
+                let eos = tokenizer
+                    .token_id("<|im_end|>")
+                    .or(self.model.eos_token_ids.first().copied())
+                    .ok_or("this model has no end-of-sequence token")?;
+                Grammars::new(tokenizer, eos)
+                    .map(Arc::new)
+                    .map_err(|e| format!("{e:#}"))
+            })
+            .clone()
     }
 
     pub fn model_names(&self) -> impl Iterator<Item = &str> {

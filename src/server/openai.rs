@@ -134,10 +134,19 @@ pub enum ToolChoice {
     Named(Value),
 }
 
+/// `response_format`: `text`, `json_object` or `json_schema` (structured output).
 #[derive(Debug, Deserialize)]
 pub struct ResponseFormat {
     #[serde(rename = "type")]
     pub kind: String,
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+/// `response_format.json_schema`. Its `name`, `description` and `strict` change nothing: the
+/// schema is always enforced.
+#[derive(Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub schema: Option<Value>,
 }
 
 /// The fields only `/v1/completions` takes.

@@ -129,7 +129,9 @@ REFUSED = {
             ["user: hi"],
         ],
         "top_logprobs": [21, -1],
-        "response_format": [{"type": "json_object"}, {"type": "json_schema"}, {}],
+        "response_format": [{"type": "yaml"}, {"type": "json_schema"}, {},
+                            {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+                            {"type": "json_schema", "json_schema": {"schema": [1]}}],
         "tool_choice": ["required", "sometimes", {"type": "function", "function": {"name": "f"}}],
         "tools": [[{"type": "retrieval", "function": {"name": "f"}}], [{"type": "function"}],
                   [{"type": "function", "function": {}}], [5]],
@@ -618,8 +620,13 @@ def random_chat(rng: random.Random) -> dict:
         if rng.random() < 0.5:  # tags and tool-call syntax for the parsers to sort out
             bias = {str(t): rng.uniform(1, 6) for t in rng.sample(TAG_TOKENS, 8)}
             request["logit_bias"] = bias
-    if rng.random() < 0.1:
-        request["response_format"] = {"type": "text"}
+    if rng.random() < 0.2:
+        request["response_format"] = rng.choice([
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema",
+             "json_schema": {"name": "weather", "schema": WEATHER_TOOL["function"]["parameters"]}},
+        ])
     if rng.random() < 0.2:
         request["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
     return with_stream(rng, request)

@@ -382,6 +382,38 @@ def test_the_next_turn_reports_cached_tokens_and_the_same_reply(demo):
     assert demo.metric("lily_prefix_cache_hits_total") >= 1
 
 
+def test_structured_output_parses_into_a_pydantic_model(demo):
+    """`response_format` from a pydantic model (the client's `parse`, strict JSON schema with
+    `$defs` and `additionalProperties: false`): the random demo model's reply parses."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Colour(BaseModel):
+        name: Literal["red", "green", "blue"]
+        bright: bool
+
+    class Pick(BaseModel):
+        colour: Colour
+        count: int = Field(ge=0, le=99)
+        alternatives: list[Literal["cyan", "magenta"]] = Field(max_length=2)
+
+    client = demo.client()
+    for seed in range(3):
+        completion = client.chat.completions.parse(
+            model="lily-demo",
+            messages=[{"role": "user", "content": "Pick a colour."}],
+            response_format=Pick,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=96,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, Pick), choice.message.content
+
+
 def test_api_key():
     server = Server("--api-key", "sekrit")
     try:
