@@ -672,6 +672,97 @@ async fn structured_output_follows_the_json_schema() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
 }
 
+fn mode_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "set_mode", "parameters": {
+            "type": "object",
+            "properties": {
+                "mode": {"enum": ["fast", "slow"]},
+                "level": {"type": "integer", "minimum": 1, "maximum": 5},
+                "loud": {"type": "boolean"},
+            },
+            "required": ["mode", "level"],
+        }}},
+        {"type": "function", "function": {"name": "stop_all"}},
+    ])
+}
+
+/// `tool_choice` `required` and a named function make the random demo model call tools, with
+/// arguments of the schema's types, whether the thought is open or not.
+#[tokio::test]
+async fn forced_tool_choice_makes_the_model_call() {
+    let server = demo();
+    let named = json!({"type": "function", "function": {"name": "set_mode"}});
+    for (choice, extra) in [
+        (
+            named.clone(),
+            json!({"chat_template_kwargs": {"enable_thinking": false}}),
+        ),
+        // A forced call has no content for `response_format` to shape.
+        (
+            json!("required"),
+            json!({"chat_template_kwargs": {"enable_thinking": false},
+                   "response_format": {"type": "json_object"}}),
+        ),
+        (named.clone(), json!({"logit_bias": {"260": 100}})),
+    ] {
+        for seed in 0..3 {
+            let mut body = chat(
+                "Go.",
+                json!({"tools": mode_tools(), "tool_choice": choice, "max_tokens": 400,
+                       "temperature": 1.0, "seed": seed}),
+            );
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let (status, v) = post(&server, "/v1/chat/completions", body).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+            let choice0 = &v["choices"][0];
+            assert_eq!(choice0["finish_reason"], "tool_calls", "{v}");
+            let calls = choice0["message"]["tool_calls"].as_array().unwrap();
+            assert!(!calls.is_empty(), "{v}");
+            for call in calls {
+                let name = call["function"]["name"].as_str().unwrap();
+                let args: Value =
+                    serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+                if choice == named {
+                    assert_eq!(name, "set_mode", "{v}");
+                }
+                if name == "set_mode" {
+                    assert!(
+                        ["fast", "slow"].contains(&args["mode"].as_str().unwrap()),
+                        "{v}"
+                    );
+                    assert!((1..=5).contains(&args["level"].as_i64().unwrap()), "{v}");
+                    assert!(args.get("loud").is_none_or(Value::is_boolean), "{v}");
+                } else {
+                    assert_eq!((name, args), ("stop_all", json!({})), "{v}");
+                }
+            }
+        }
+    }
+    for (extra, why) in [
+        (json!({"tool_choice": "required"}), "no tools"),
+        (
+            json!({"tools": mode_tools(), "tool_choice": {"type": "function",
+                   "function": {"name": "missing"}}}),
+            "an unknown tool",
+        ),
+        (
+            json!({"tools": mode_tools(), "tool_choice": "sometimes"}),
+            "a bad mode",
+        ),
+        (
+            json!({"tools": mode_tools(), "tool_choice": {"function": {}}}),
+            "no name",
+        ),
+    ] {
+        let (status, v) = post(&server, "/v1/chat/completions", chat("x", extra)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{why}: {v}");
+        assert_eq!(error_of(&v).1, Some("tool_choice"), "{why}: {v}");
+    }
+}
+
 #[tokio::test]
 async fn unusable_response_formats_are_refused() {
     let server = demo();

@@ -14,10 +14,12 @@ use serde_json::{Value, json};
 
 use crate::text::tokenizer::Tokenizer;
 
-/// JSON is written compactly with the separators Python's `json.dumps` uses, and no other
-/// whitespace between values: a model that may not stop adding whitespace never ends its reply.
-const JSON_STYLE: &str =
-    r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}"#;
+/// How constrained JSON is written (llguidance's `x-guidance` options): compactly, with the
+/// separators Python's `json.dumps` uses and no other whitespace between values, since a model
+/// that may add whitespace may never end its reply.
+pub fn json_style() -> Value {
+    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
 
 /// Builds constraints for one tokenizer (the trie of its tokens is made once).
 pub struct Grammars {
@@ -45,13 +47,17 @@ impl Grammars {
         let object = schema
             .as_object_mut()
             .ok_or_else(|| anyhow!("a JSON schema must be an object"))?;
-        object.insert(
-            "x-guidance".into(),
-            serde_json::from_str(JSON_STYLE).expect("JSON_STYLE is JSON"),
-        );
-        let parser = self
-            .factory
-            .create_parser(TopLevelGrammar::from_json_schema(schema))?;
+        object.insert("x-guidance".into(), json_style());
+        self.constraint(TopLevelGrammar::from_json_schema(schema))
+    }
+
+    /// A constraint to a grammar in llguidance's Lark syntax.
+    pub fn lark(&self, grammar: &str) -> Result<Constraint> {
+        self.constraint(TopLevelGrammar::from_lark(grammar.to_owned()))
+    }
+
+    fn constraint(&self, grammar: TopLevelGrammar) -> Result<Constraint> {
+        let parser = self.factory.create_parser(grammar)?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             anyhow::bail!("{e}");

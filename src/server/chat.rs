@@ -18,8 +18,9 @@ use super::openai::{
 };
 use super::reasoning::ReasoningSplitter;
 use super::stream::{self, ChunkWriter, chunk, respond};
-use super::tool_calls::{ParsedCall, ToolCallParser};
+use super::tool_calls::{ParsedCall, ToolCallParser, forced_calls_grammar};
 use super::{AppState, unix_now};
+use crate::engine::constraint::json_style;
 use crate::engine::generate::FinishReason;
 use crate::engine::scheduler::{Event, TokenLogprobs};
 use crate::text::tokenizer::Tokenizer;
@@ -94,17 +95,46 @@ pub async fn chat_completions(
             ),
         ));
     }
-    let parse_tool_calls = match &chat.tool_choice {
-        None => !tools.is_empty(),
-        Some(ToolChoice::Mode(mode)) if mode == "auto" => !tools.is_empty(),
-        Some(ToolChoice::Mode(mode)) if mode == "none" => false,
-        Some(_) => {
+    // `Some(None)`: the reply must call tools, `Some(Some(name))` must call that one.
+    let forced_call = match &chat.tool_choice {
+        None => None,
+        Some(ToolChoice::Mode(mode)) if mode == "auto" || mode == "none" => None,
+        Some(ToolChoice::Mode(mode)) if mode == "required" => Some(None),
+        Some(ToolChoice::Mode(mode)) => {
             return Err(ApiError::invalid(
                 "tool_choice",
-                "Only `tool_choice` \"auto\" and \"none\" are supported: lily does not force \
-                 tool calls.",
+                format!(
+                    "`tool_choice` \"{mode}\" is not one of \"auto\", \"none\", \"required\" or \
+                     {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}."
+                ),
             ));
         }
+        Some(ToolChoice::Named(named)) => match named["function"]["name"].as_str() {
+            Some(name) if named["type"] == "function" => Some(Some(name.to_owned())),
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "A named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": \
+                     NAME}}.",
+                ));
+            }
+        },
+    };
+    if let Some(only) = &forced_call {
+        let known = match only {
+            None => !tools.is_empty(),
+            Some(name) => tools.iter().any(|t| &t.function.name == name),
+        };
+        if !known {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "`tool_choice` forces a call to a tool that `tools` does not list.",
+            ));
+        }
+    }
+    let parse_tool_calls = match &chat.tool_choice {
+        Some(ToolChoice::Mode(mode)) if mode == "none" => false,
+        _ => !tools.is_empty(),
     };
 
     let mut context = chat.chat_template_kwargs.unwrap_or_default();
@@ -120,6 +150,8 @@ pub async fn chat_completions(
         .or_insert(Value::Bool(true));
     let (template, encoder) = (template.clone(), tokenizer.clone());
     let grammar_app = app.clone();
+    let forced_grammar =
+        forced_call.map(|only| forced_calls_grammar(&tools, only.as_deref(), &json_style()));
     let (prompt_text, prompt, constraint) = off_the_workers(move || {
         let text = template
             .render(&Value::Object(context))
@@ -127,17 +159,24 @@ pub async fn chat_completions(
         let ids = encoder
             .encode(&text)
             .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
-        let constraint = match json_schema {
+        // A forced call leaves no content for `response_format` to shape (as OpenAI's API has it).
+        let shaped = match (forced_grammar, json_schema) {
+            (Some(grammar), _) => Some(("tool_choice", Shape::Calls(grammar))),
+            (None, Some(schema)) => Some(("response_format", Shape::Json(schema))),
+            (None, None) => None,
+        };
+        let constraint = match shaped {
             None => None,
-            Some(schema) => {
+            Some((param, shape)) => {
                 let grammars = grammar_app
                     .grammars()
-                    .map_err(|e| ApiError::invalid("response_format", e))?;
-                let constraint = grammars.json(schema.as_ref()).map_err(|e| {
-                    ApiError::invalid(
-                        "response_format",
-                        format!("The JSON schema cannot be used: {e:#}"),
-                    )
+                    .map_err(|e| ApiError::invalid(param, e))?;
+                let constraint = match shape {
+                    Shape::Json(schema) => grammars.json(schema.as_ref()),
+                    Shape::Calls(grammar) => grammars.lark(&grammar),
+                }
+                .map_err(|e| {
+                    ApiError::invalid(param, format!("The schema cannot be used: {e:#}"))
                 })?;
                 // With the thought open the grammar starts where it closes.
                 Some(if opens_thought(&text) {
@@ -195,6 +234,14 @@ pub async fn chat_completions(
 /// before) and where the last one, the generation prompt, starts (the next turn of this
 /// conversation repeats everything before it; what comes after, the opened assistant turn, is
 /// rendered differently once the reply is in the history).
+/// What a constraint holds the reply to.
+enum Shape {
+    /// A JSON value of this schema (any JSON object without one).
+    Json(Option<Value>),
+    /// Only tool calls, by this grammar.
+    Calls(String),
+}
+
 /// Whether the prompt leaves a thought open for the reply (Qwen's template with thinking on).
 fn opens_thought(prompt_text: &str) -> bool {
     prompt_text.trim_end().ends_with("<think>")

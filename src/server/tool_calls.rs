@@ -353,6 +353,95 @@ fn integral_float(text: &str) -> Option<Value> {
     (f.fract() == 0.0 && f.abs() < 9.0e15).then(|| Value::from(f as i64))
 }
 
+/// A grammar (llguidance's Lark syntax) for a reply that is only tool calls in the XML form:
+/// for `tool_choice: "required"` one or more calls to any of `tools`, for a named function
+/// (`only`) one call to it. A call lists its parameters in the schema's order, the required ones
+/// always. A value the parser keeps as text (a string, or a parameter without a schema) is
+/// free text up to `</parameter>`, or one of its `enum` strings; any other is JSON of its schema,
+/// written as structured output writes it.
+pub fn forced_calls_grammar(tools: &[Tool], only: Option<&str>, json_style: &Value) -> String {
+    let literal = |text: &str| serde_json::to_string(text).expect("a string is JSON");
+    let end = literal("\n</parameter>\n");
+    let mut rules = vec![format!(r#"text[suffix={end}]: /(?s:.*)/"#)];
+    let mut calls = Vec::new();
+    for (i, function) in tools
+        .iter()
+        .map(|t| &t.function)
+        .enumerate()
+        .filter(|(_, f)| only.is_none_or(|name| f.name == name))
+    {
+        let parameters = function.parameters.as_ref();
+        let required: Vec<&str> = parameters
+            .and_then(|p| p.get("required")?.as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        let mut body = literal(&format!("<tool_call>\n<function={}>\n", function.name));
+        let properties = parameters.and_then(|p| p.get("properties")?.as_object());
+        for (j, (name, schema)) in properties.into_iter().flatten().enumerate() {
+            let rule = format!("call{i}_{j}");
+            let head = literal(&format!("<parameter={name}>\n"));
+            let value = match text_choices(schema) {
+                Some(None) => "text".to_owned(),
+                Some(Some(choices)) => format!(
+                    "({}) {end}",
+                    choices
+                        .iter()
+                        .map(|c| literal(c))
+                        .collect::<Vec<_>>()
+                        .join(" | ")
+                ),
+                None => {
+                    let mut schema = schema.clone();
+                    if let Some(object) = schema.as_object_mut() {
+                        object.insert("x-guidance".into(), json_style.clone());
+                    }
+                    format!("%json {schema} {end}")
+                }
+            };
+            rules.push(format!("{rule}: {head} {value}"));
+            let optional = if required.contains(&name.as_str()) {
+                ""
+            } else {
+                "?"
+            };
+            body.push_str(&format!(" {rule}{optional}"));
+        }
+        body.push_str(&format!(" {}", literal("</function>\n</tool_call>")));
+        rules.push(format!("call{i}: {body}"));
+        calls.push(format!("call{i}"));
+    }
+    let call = calls.join(" | ");
+    let start = if only.is_some() {
+        format!("start: /\\n{{1,2}}/? ({call})")
+    } else {
+        format!(r#"start: /\n{{1,2}}/? ({call}) ("\n" ({call}))*"#)
+    };
+    rules.insert(0, start);
+    rules.join("\n")
+}
+
+/// How a parameter's value is written as text: `Some(None)` free text, `Some(Some(choices))` one
+/// of its `enum` strings, `None` not as text (JSON), following what `typed_value` reads back.
+fn text_choices(schema: &Value) -> Option<Option<Vec<String>>> {
+    let types = schema_types(schema);
+    if !types.is_empty() && !types.contains(&"string") {
+        return None;
+    }
+    let strings: Option<Vec<String>> =
+        schema
+            .get("enum")
+            .and_then(Value::as_array)
+            .and_then(|values| {
+                values
+                    .iter()
+                    .map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            });
+    Some(strings.filter(|s| !s.is_empty()))
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -493,6 +582,82 @@ mod tests {
              </function>\n</tool_call>",
             "",
             json!([{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]),
+        );
+    }
+
+    /// Whether `text` is a whole reply the grammar allows: each of its tokens allowed in turn,
+    /// then `<|im_end|>`.
+    fn grammar_allows(grammar: &str, text: &str) -> bool {
+        use crate::engine::constraint::Grammars;
+        let demo = crate::model::demo::demo().unwrap();
+        let tokenizer = std::sync::Arc::new(demo.tokenizer);
+        let im_end = tokenizer.token_id("<|im_end|>").unwrap();
+        let mut constraint = Grammars::new(tokenizer.clone(), im_end)
+            .unwrap()
+            .lark(grammar)
+            .unwrap();
+        let mut logits = vec![0.0f32; tokenizer.vocab_size()];
+        for id in tokenizer.encode(text).unwrap().into_iter().chain([im_end]) {
+            logits.fill(0.0);
+            constraint.mask(&mut logits).unwrap();
+            if !logits[id as usize].is_finite() {
+                return false;
+            }
+            constraint.advance(id).unwrap();
+        }
+        true
+    }
+
+    #[test]
+    fn forced_calls_follow_the_xml_form_and_the_schema() {
+        let mut tools = weather_tool();
+        tools[0].function.parameters.as_mut().unwrap()["required"] = json!(["city"]);
+        tools[0].function.parameters.as_mut().unwrap()["properties"]["unit"] =
+            json!({"enum": ["c", "f"]});
+        tools.extend(
+            serde_json::from_value::<Vec<Tool>>(json!([
+                {"type": "function", "function": {"name": "now"}}
+            ]))
+            .unwrap(),
+        );
+        let style = crate::engine::constraint::json_style();
+        let required = forced_calls_grammar(&tools, None, &style);
+        let named = forced_calls_grammar(&tools, Some("get_weather"), &style);
+        let call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, \"France\"\n\
+                    </parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=ratio>\nnull\n\
+                    </parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n<parameter=unit>\n\
+                    f\n</parameter>\n</function>\n</tool_call>";
+        let now = "<tool_call>\n<function=now>\n</function>\n</tool_call>";
+        for grammar in [&required, &named] {
+            assert!(grammar_allows(grammar, call), "{grammar}");
+            assert!(grammar_allows(grammar, &format!("\n\n{call}")));
+            // Only `city` is required; parameters keep the schema's order.
+            assert!(grammar_allows(
+                grammar,
+                "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n\
+                 </function>\n</tool_call>"
+            ));
+            for broken in [
+                format!("Sure. {call}"),
+                call.replace("\n3\n", "\nthree\n"),
+                call.replace("\nf\n", "\nkelvin\n"),
+                call.replace("<parameter=city>\nParis, \"France\"\n</parameter>\n", ""),
+                format!("{call} and more"),
+            ] {
+                assert!(!grammar_allows(grammar, &broken), "{broken:?}");
+            }
+        }
+        assert!(grammar_allows(&required, now));
+        assert!(grammar_allows(&required, &format!("{call}\n{now}")));
+        assert!(!grammar_allows(&named, now));
+        assert!(!grammar_allows(&named, &format!("{call}\n{call}")));
+        // What the grammar allows, the parser reads back with the schema's types.
+        check(
+            call,
+            "",
+            json!([{"name": "get_weather", "arguments": {
+                "city": "Paris, \"France\"", "days": 3, "ratio": null, "tags": ["a", 1],
+                "unit": "f"}}]),
         );
     }
 }

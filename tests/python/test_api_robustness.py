@@ -616,7 +616,10 @@ def random_chat(rng: random.Random) -> dict:
     if rng.random() < 0.3:
         request["tools"] = rng.choice([[WEATHER_TOOL], [WEATHER_TOOL, CITY_TOOL]])
         if rng.random() < 0.5:
-            request["tool_choice"] = rng.choice(["auto", "none"])
+            request["tool_choice"] = rng.choice([
+                "auto", "none", "required",
+                {"type": "function", "function": {"name": request["tools"][-1]["function"]["name"]}},
+            ])
         if rng.random() < 0.5:  # tags and tool-call syntax for the parsers to sort out
             bias = {str(t): rng.uniform(1, 6) for t in rng.sample(TAG_TOKENS, 8)}
             request["logit_bias"] = bias

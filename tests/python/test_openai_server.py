@@ -414,6 +414,35 @@ def test_structured_output_parses_into_a_pydantic_model(demo):
         assert isinstance(choice.message.parsed, Pick), choice.message.content
 
 
+def test_a_named_tool_choice_gives_a_parsed_call(demo):
+    """Function calling as LangChain's structured output uses it: a pydantic model as a strict
+    tool (`openai.pydantic_function_tool`) and `tool_choice` naming it; the call parses."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class SetMode(BaseModel):
+        mode: Literal["fast", "slow"]
+        level: int = Field(ge=1, le=5)
+
+    client = demo.client()
+    completion = client.chat.completions.parse(
+        model="lily-demo",
+        messages=[{"role": "user", "content": "Go fast."}],
+        tools=[openai.pydantic_function_tool(SetMode)],
+        tool_choice={"type": "function", "function": {"name": "SetMode"}},
+        temperature=0,
+        max_tokens=300,
+        # The demo's random thought never closes.
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "SetMode"
+    assert isinstance(call.function.parsed_arguments, SetMode), call.function.arguments
+
+
 def test_api_key():
     server = Server("--api-key", "sekrit")
     try:
