@@ -296,6 +296,7 @@ fn memory_use_counts_the_backends_own_buffers() {
         "one slot holds {} bytes, its caches and states {state}",
         m1.sequences
     );
+    assert_eq!(m1.sequences, CudaBackend::slot_bytes(c, context));
     assert_eq!(m3.sequences, 3 * m1.sequences);
     assert_eq!(m1.weights, m3.weights);
     assert!(m3.scratch > m1.scratch, "activations have a row per slot");

@@ -690,6 +690,20 @@ impl CudaBackend {
             tables: BatchTables::new(&stream, c, rows)?,
             graphs: HashMap::new(),
         };
+        // Fail with what to change, not the driver's out-of-memory, when the device (shared with
+        // other processes, perhaps) cannot hold the slots.
+        let needed = Self::slot_bytes(c, opts.max_context) * opts.max_sequences;
+        let (free, _) = cudarc::driver::result::mem_get_info()?;
+        ensure!(
+            needed <= free,
+            "{} sequence slots of {} tokens need {:.2} GB of GPU memory, but {:.2} GB is free \
+             (other processes may hold the rest): serve fewer (--max-batch, --prefix-cache) or \
+             shorter (--context) sequences",
+            opts.max_sequences,
+            opts.max_context,
+            needed as f64 / 1e9,
+            free as f64 / 1e9
+        );
         let mut slots = Vec::with_capacity(opts.max_sequences);
         for _ in 0..opts.max_sequences {
             slots.push(Self::new_slot(&stream, c, opts.max_context)?);
@@ -862,6 +876,12 @@ impl CudaBackend {
             sequences,
             scratch: self.scratch.bytes() + tables + prefill,
         })
+    }
+
+    /// Device bytes one sequence slot of `max_context` positions takes (KV cache, DeltaNet conv
+    /// rings and states); the backend holds `max_sequences` of them from the start.
+    pub fn slot_bytes(config: &ModelConfig, max_context: usize) -> usize {
+        sequences::slot_bytes(config, max_context)
     }
 
     /// Device memory in use by every process on the device (and the driver), from the driver.

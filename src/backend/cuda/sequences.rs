@@ -214,13 +214,43 @@ impl Drop for CudaState {
     }
 }
 
+/// Elements of a slot's per-layer buffers.
+struct SlotLengths {
+    /// Keys (and as many values) of one attention layer, bf16.
+    kv: usize,
+    /// One DeltaNet layer's conv ring and recurrent state, f32.
+    conv: usize,
+    recurrent: usize,
+}
+
+impl SlotLengths {
+    fn of(c: &ModelConfig, max_context: usize) -> Self {
+        Self {
+            kv: max_context * c.num_key_value_heads * c.head_dim,
+            conv: c.linear_conv_kernel_dim * c.linear_conv_dim(),
+            recurrent: c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
+        }
+    }
+}
+
+/// Device bytes one sequence slot of `max_context` positions takes (what [`Slot::bytes`] counts
+/// once it is allocated).
+pub(super) fn slot_bytes(c: &ModelConfig, max_context: usize) -> usize {
+    let lengths = SlotLengths::of(c, max_context);
+    let layers = |kind: LayerKind| c.layer_kinds.iter().filter(|&&k| k == kind).count();
+    layers(LayerKind::FullAttention) * 2 * lengths.kv * size_of::<u16>()
+        + layers(LayerKind::LinearAttention) * (lengths.conv + lengths.recurrent) * size_of::<f32>()
+        + 2 * size_of::<i32>()
+        + size_of::<SamplingDesc>()
+}
+
 impl CudaBackend {
     pub(super) fn new_slot(
         stream: &Arc<CudaStream>,
         c: &ModelConfig,
         max_context: usize,
     ) -> Result<Slot> {
-        let kv_len = max_context * c.num_key_value_heads * c.head_dim;
+        let lengths = SlotLengths::of(c, max_context);
         let mut slot = Slot {
             position: stream.alloc_zeros::<i32>(1)?,
             token: stream.alloc_zeros::<i32>(1)?,
@@ -235,17 +265,13 @@ impl CudaBackend {
         for kind in &c.layer_kinds {
             match kind {
                 LayerKind::FullAttention => slot.kv.push((
-                    stream.alloc_zeros::<u16>(kv_len)?,
-                    stream.alloc_zeros::<u16>(kv_len)?,
+                    stream.alloc_zeros::<u16>(lengths.kv)?,
+                    stream.alloc_zeros::<u16>(lengths.kv)?,
                 )),
                 LayerKind::LinearAttention => {
-                    slot.conv.push(
-                        stream
-                            .alloc_zeros::<f32>(c.linear_conv_kernel_dim * c.linear_conv_dim())?,
-                    );
-                    slot.recurrent.push(stream.alloc_zeros::<f32>(
-                        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
-                    )?);
+                    slot.conv.push(stream.alloc_zeros::<f32>(lengths.conv)?);
+                    slot.recurrent
+                        .push(stream.alloc_zeros::<f32>(lengths.recurrent)?);
                 }
             }
         }
@@ -405,5 +431,23 @@ impl CudaBackend {
     pub(super) fn read_logits(&self, rows: usize) -> Result<Vec<f32>> {
         let n = rows * self.config.vocab_size;
         Ok(self.stream.clone_dtoh(&self.scratch.logits.slice(..n))?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_of_the_35b_at_32k_takes_about_0_74_gb() {
+        let text = include_str!("../../../configs/qwen3.6-35b-a3b.json");
+        let c = ModelConfig::from_json_str(text).unwrap();
+        // 10 attention layers: keys and values of 2 heads x 256, bf16; 30 DeltaNet layers: a
+        // 4-tap ring of 8,192 channels and 32 states of 128 x 128, f32.
+        let kv = 10 * 2 * 32768 * 2 * 256 * 2;
+        let deltanet = 30 * (4 * 8192 + 32 * 128 * 128) * 4;
+        let small = 2 * 4 + size_of::<SamplingDesc>();
+        assert_eq!(slot_bytes(&c, 32768), kv + deltanet + small);
+        assert_eq!(kv + deltanet, 737_935_360);
     }
 }
