@@ -8,16 +8,17 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::response::Response;
 use serde_json::{Map, Value, json};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::errors::{ApiError, JsonObject, fields};
 use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events, off_the_workers};
 use super::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatFields, ChatLogprobs, ChatMessage,
     ChatTokenLogprob, ChatTopLogprob, CommonFields, FunctionCallOut, MessageContent, ReplyMessage,
-    ToolCallOut, ToolChoice, Usage,
+    Tool, ToolCallOut, ToolChoice, Usage,
 };
 use super::reasoning::ReasoningSplitter;
-use super::stream::{self, ChunkWriter, chunk, respond};
+use super::stream::{self, ChunkWriter, SseChunk, chunk, respond};
 use super::tool_calls::{ParsedCall, ToolCallParser, forced_calls_grammar};
 use super::{AppState, unix_now};
 use crate::engine::constraint::json_style;
@@ -29,6 +30,44 @@ pub async fn chat_completions(
     State(app): State<Arc<AppState>>,
     JsonObject(body): JsonObject,
 ) -> Result<Response, ApiError> {
+    let queued = queue_chat(&app, body).await?;
+    let stream = queued.plan.stream;
+    let reply = Reply {
+        id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
+        created: unix_now(),
+        model: app.model.name().to_owned(),
+        tokenizer: queued.tokenizer.clone(),
+        prompt_tokens: queued.prompt.len(),
+        prompt_ids: queued
+            .plan
+            .return_token_ids
+            .then_some(queued.prompt.clone()),
+        choices: (0..queued.plan.n)
+            .map(|_| ChoiceOutput::new(&queued))
+            .collect(),
+        include_usage: queued.plan.include_usage,
+        return_token_ids: queued.plan.return_token_ids,
+        started: Instant::now(),
+    };
+    respond(merged_events(queued.receivers), reply, stream).await
+}
+
+/// A chat request checked, rendered and queued in the engine: what a reply is assembled from.
+pub struct QueuedChat {
+    pub receivers: Vec<UnboundedReceiver<Event>>,
+    pub plan: Plan,
+    pub prompt: Vec<u32>,
+    /// The prompt opens a thought, so the reply starts as reasoning.
+    pub opens_thought: bool,
+    pub tools: Vec<Tool>,
+    /// Whether tool-call blocks in the reply become tool calls.
+    pub parse_tool_calls: bool,
+    pub logprobs: Option<usize>,
+    pub tokenizer: Arc<Tokenizer>,
+}
+
+/// Checks a chat completion request, renders its conversation and queues its choices.
+pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, ApiError> {
     let common: CommonFields = fields(&body)?;
     let chat: ChatFields = fields(&body)?;
     let max_tokens = match (chat.max_completion_tokens, common.max_tokens) {
@@ -36,7 +75,7 @@ pub async fn chat_completions(
         (None, Some(m)) => Some((m, "max_tokens")),
         (None, None) => None,
     };
-    let plan = Plan::read(common, max_tokens, &app)?;
+    let plan = Plan::read(common, max_tokens, app)?;
     let (Some(tokenizer), Some(template)) = (&app.model.tokenizer, &app.model.chat_template) else {
         return Err(ApiError::invalid(
             "messages",
@@ -189,42 +228,26 @@ pub async fn chat_completions(
         Ok((text, ids, constraint))
     })
     .await?;
-    let budget = plan.token_budget(prompt.len(), "messages", &app)?;
+    let budget = plan.token_budget(prompt.len(), "messages", app)?;
     let cache_points = message_starts(&prompt, tokenizer.token_id("<|im_start|>"));
     let receivers = plan.submit(
-        &app,
+        app,
         &prompt,
         &cache_points,
         budget,
         logprobs,
         constraint.as_ref(),
     )?;
-
-    let reply = Reply {
-        id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
-        created: unix_now(),
-        model: app.model.name().to_owned(),
+    Ok(QueuedChat {
+        receivers,
+        plan,
+        prompt,
+        opens_thought: opens_thought(&prompt_text),
+        tools,
+        parse_tool_calls,
+        logprobs,
         tokenizer: tokenizer.clone(),
-        prompt_tokens: prompt.len(),
-        prompt_ids: plan.return_token_ids.then_some(prompt.clone()),
-        choices: (0..plan.n)
-            .map(|_| ChoiceOutput {
-                splitter: ReasoningSplitter::new(opens_thought(&prompt_text)),
-                tool_parser: parse_tool_calls.then(|| ToolCallParser::new(tools.clone())),
-                tool_calls: 0,
-                message: AssistantMessage::default(),
-                logprobs: logprobs.map(|_| ChatLogprobs::default()),
-                token_ids: Vec::new(),
-                finish: None,
-                completion_tokens: 0,
-                cached_tokens: 0,
-            })
-            .collect(),
-        include_usage: plan.include_usage,
-        return_token_ids: plan.return_token_ids,
-        started: Instant::now(),
-    };
-    respond(merged_events(receivers), reply, plan.stream).await
+    })
 }
 
 /// Messages as the template expects them: OpenAI's `developer` role as `system`, text parts
@@ -346,7 +369,7 @@ fn template_messages(messages: Vec<ChatMessage>) -> Result<Value, ApiError> {
 }
 
 /// One choice's reply being assembled.
-struct ChoiceOutput {
+pub struct ChoiceOutput {
     splitter: ReasoningSplitter,
     /// Present when the request has tools and lets the model call them.
     tool_parser: Option<ToolCallParser>,
@@ -362,8 +385,24 @@ struct ChoiceOutput {
 }
 
 impl ChoiceOutput {
+    pub fn new(queued: &QueuedChat) -> Self {
+        Self {
+            splitter: ReasoningSplitter::new(queued.opens_thought),
+            tool_parser: queued
+                .parse_tool_calls
+                .then(|| ToolCallParser::new(queued.tools.clone())),
+            tool_calls: 0,
+            message: AssistantMessage::default(),
+            logprobs: queued.logprobs.map(|_| ChatLogprobs::default()),
+            token_ids: Vec::new(),
+            finish: None,
+            completion_tokens: 0,
+            cached_tokens: 0,
+        }
+    }
+
     /// Sorts reply text into reasoning, content and tool calls: the delta it adds.
-    fn push(&mut self, text: &str, end: bool) -> AssistantMessage {
+    pub fn push(&mut self, text: &str, end: bool) -> AssistantMessage {
         let mut split = self.splitter.push(text);
         if end {
             let rest = self.splitter.finish();
@@ -408,7 +447,7 @@ impl ChoiceOutput {
         }
     }
 
-    fn made_calls(&self) -> bool {
+    pub fn made_calls(&self) -> bool {
         self.tool_parser
             .as_ref()
             .is_some_and(ToolCallParser::made_calls)
@@ -612,7 +651,7 @@ impl stream::Reply for Reply {
 }
 
 impl ChunkWriter for Reply {
-    fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<String>, ApiError> {
+    fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<SseChunk>, ApiError> {
         let first =
             self.choices[index].token_ids.is_empty() && self.choices[index].finish.is_none();
         let mut out = Vec::new();
@@ -625,7 +664,7 @@ impl ChunkWriter for Reply {
             };
             let mut c = self.chunk_for(index, delta, None);
             c.prompt_token_ids = self.prompt_ids.clone();
-            out.push(chunk(&c));
+            out.push(chunk(&c).into());
         }
         let mut step = self.step(index, event)?;
         let delta = std::mem::take(&mut step.delta);
@@ -633,19 +672,19 @@ impl ChunkWriter for Reply {
             && delta.reasoning_content.is_none()
             && delta.tool_calls.is_empty();
         if !empty || step.logprobs.is_some() || step.finish.is_some() || self.return_token_ids {
-            out.push(chunk(&self.chunk_for(index, delta, Some(step))));
+            out.push(chunk(&self.chunk_for(index, delta, Some(step))).into());
         }
         Ok(out)
     }
 
-    fn on_end(&mut self) -> Vec<String> {
+    fn on_end(&mut self) -> Vec<SseChunk> {
         self.log();
         if !self.include_usage {
             return Vec::new();
         }
         let mut c = self.envelope("chat.completion.chunk", Vec::new());
         c.usage = Some(Some(self.usage()));
-        vec![chunk(&c)]
+        vec![chunk(&c).into()]
     }
 }
 

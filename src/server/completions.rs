@@ -14,7 +14,7 @@ use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events, off
 use super::openai::{
     CommonFields, Completion, CompletionChoice, CompletionFields, CompletionLogprobs, Prompt, Usage,
 };
-use super::stream::{self, ChunkWriter, chunk, respond};
+use super::stream::{self, ChunkWriter, SseChunk, chunk, respond};
 use super::{AppState, unix_now};
 use crate::engine::generate::FinishReason;
 use crate::engine::scheduler::{Event, TokenLogprobs};
@@ -283,7 +283,7 @@ impl stream::Reply for Reply {
 }
 
 impl ChunkWriter for Reply {
-    fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<String>, ApiError> {
+    fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<SseChunk>, ApiError> {
         let step = self.step(index, event)?;
         let choice = &mut self.choices[index];
         let first = !choice.started;
@@ -315,17 +315,17 @@ impl ChunkWriter for Reply {
         if self.include_usage {
             c.usage = Some(None);
         }
-        Ok(vec![chunk(&c)])
+        Ok(vec![chunk(&c).into()])
     }
 
-    fn on_end(&mut self) -> Vec<String> {
+    fn on_end(&mut self) -> Vec<SseChunk> {
         self.log();
         if !self.include_usage {
             return Vec::new();
         }
         let mut c = self.envelope(Vec::new());
         c.usage = Some(Some(self.usage()));
-        vec![chunk(&c)]
+        vec![chunk(&c).into()]
     }
 }
 

@@ -3,9 +3,10 @@
 //! This module owns start-up and shutdown ([`run`]): the served model ([`ServedModel`], from a
 //! checkpoint directory or the embedded demo), the engine thread, the listener, logging, and the
 //! graceful shutdown on SIGINT/SIGTERM. It also builds the [`router`]: `/v1/chat/completions`
-//! ([`chat`]), `/v1/completions` ([`completions`]), `/v1/models`, `/health` and `/metrics`
-//! ([`metrics`]), with the API key check and the body size limit. Streams are assembled in
-//! [`stream`]; replies are split into reasoning ([`reasoning`]) and tool calls ([`tool_calls`]).
+//! ([`chat`]), `/v1/completions` ([`completions`]), `/v1/responses` ([`responses`]), `/v1/models`,
+//! `/health` and `/metrics` ([`metrics`]), with the API key check and the body size limit.
+//! Streams are assembled in [`stream`]; replies are split into reasoning ([`reasoning`]) and tool
+//! calls ([`tool_calls`]).
 
 pub mod chat;
 pub mod completions;
@@ -14,6 +15,7 @@ pub mod generation;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning;
+pub mod responses;
 pub mod stream;
 pub mod tool_calls;
 
@@ -252,6 +254,7 @@ pub fn router(app: Arc<AppState>, max_body_bytes: usize) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route_layer(middleware::from_fn_with_state(app.clone(), require_api_key));

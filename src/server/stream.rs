@@ -1,5 +1,6 @@
 //! Server-sent event streams: the engine's events of every choice, turned into `data: {...}`
-//! chunks by an endpoint's [`ChunkWriter`], then `data: [DONE]`.
+//! chunks (named with `event:` where the API names them) by an endpoint's [`ChunkWriter`], then
+//! `data: [DONE]` where the API ends its streams so.
 //!
 //! The stream owns the engine's event receivers: when the client disconnects, the server drops
 //! the stream, the receivers go with it, and the engine cancels the sequences at its next step.
@@ -14,12 +15,42 @@ use serde::Serialize;
 use super::errors::ApiError;
 use crate::engine::scheduler::Event;
 
+/// One server-sent event: its `data:` line and, for APIs that name events, its `event:` line.
+pub struct SseChunk {
+    pub event: Option<&'static str>,
+    pub data: String,
+}
+
+impl SseChunk {
+    pub fn event(name: &'static str, data: String) -> Self {
+        Self {
+            event: Some(name),
+            data,
+        }
+    }
+}
+
+impl From<String> for SseChunk {
+    fn from(data: String) -> Self {
+        Self { event: None, data }
+    }
+}
+
 /// Writes an endpoint's chunks for the events of a stream.
 pub trait ChunkWriter: Send + 'static {
-    /// Chunks for one event of choice `index`; an error ends the stream with an error chunk.
-    fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<String>, ApiError>;
+    /// Chunks for one event of choice `index`; an error ends the stream with
+    /// [`ChunkWriter::on_error`]'s chunks.
+    fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<SseChunk>, ApiError>;
     /// Chunks after every choice finished (the usage chunk, say).
-    fn on_end(&mut self) -> Vec<String>;
+    fn on_end(&mut self) -> Vec<SseChunk>;
+    /// Chunks that end a stream on an error: the error's body, by default.
+    fn on_error(&mut self, error: ApiError) -> Vec<SseChunk> {
+        vec![chunk(&error.body()).into()]
+    }
+    /// Whether the stream ends with `data: [DONE]` (Chat Completions and Completions do).
+    fn ends_with_done(&self) -> bool {
+        true
+    }
 }
 
 /// An endpoint's reply, sent either as a stream of chunks or whole.
@@ -61,24 +92,36 @@ pub fn sse_response<W: ChunkWriter>(
 ) -> Response {
     let chunks = stream::unfold(Some((events, writer)), |state| async move {
         let (mut events, mut writer) = state?;
+        let done = || SseChunk::from("[DONE]".to_owned());
         let (data, next) = match events.next().await {
             Some((index, event)) => match writer.on_event(index, event) {
                 Ok(data) => (data, Some((events, writer))),
-                Err(e) => (vec![chunk(&e.body()), "[DONE]".to_owned()], None),
+                Err(e) => {
+                    let mut data = writer.on_error(e);
+                    if writer.ends_with_done() {
+                        data.push(done());
+                    }
+                    (data, None)
+                }
             },
             None => {
                 let mut data = writer.on_end();
-                data.push("[DONE]".to_owned());
+                if writer.ends_with_done() {
+                    data.push(done());
+                }
                 (data, None)
             }
         };
         Some((data, next))
     })
     .flat_map(|data| {
-        stream::iter(
-            data.into_iter()
-                .map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))),
-        )
+        stream::iter(data.into_iter().map(|c| {
+            let event = SseEvent::default().data(c.data);
+            Ok::<_, Infallible>(match c.event {
+                Some(name) => event.event(name),
+                None => event,
+            })
+        }))
     });
     Sse::new(chunks)
         .keep_alive(KeepAlive::default())

@@ -49,6 +49,7 @@ CONTEXT = 8192  # the demo's context (the server's default is larger)
 RESPONSE_PATIENCE_S = 30
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 JSON_HEADERS = {"Content-Type": "application/json"}
 CITY_TOOL = {
     "type": "function",
@@ -310,6 +311,10 @@ def field_root(param: str | None) -> str | None:
 
 
 def check_success(case: Case, reply: Reply):
+    if case.path == RESPONSES:
+        assert case.request is not None, "a broken body was answered as a success"
+        check_response(case, reply)
+        return
     if case.path not in (CHAT, COMPLETIONS):
         assert reply.headers.get("content-type", "").startswith("application/json")
         json.loads(reply.body)
@@ -452,6 +457,88 @@ def sse_data(body: bytes) -> list[str]:
         if data:
             events.append("\n".join(data))
     return events
+
+
+def sse_events(body: bytes) -> list[tuple[str | None, str]]:
+    """Each event of an SSE body as (its `event:` name, its data)."""
+    text = body.decode("utf-8")
+    assert text.endswith("\n\n"), "the stream ends inside an event"
+    events = []
+    for block in text[:-2].split("\n\n"):
+        lines = [line for line in block.split("\n") if not line.startswith(":")]
+        if not lines:
+            continue
+        names = [line[len("event:"):].strip() for line in lines if line.startswith("event:")]
+        data = [line[len("data:"):].removeprefix(" ") for line in lines if line.startswith("data:")]
+        assert len(names) <= 1 and len(names) + len(data) == len(lines), f"odd event {block!r}"
+        events.append((names[0] if names else None, "\n".join(data)))
+    return events
+
+
+OUTPUT_ITEMS = {"reasoning", "message", "function_call"}
+
+
+def check_response_object(response: dict, request: dict, final: bool):
+    assert response["object"] == "response" and response["id"].startswith("resp_")
+    assert response["store"] is False, "nothing is stored"
+    for item in response["output"]:
+        assert item["type"] in OUTPUT_ITEMS, f"an output item of type {item['type']!r}"
+        if item["type"] == "message":
+            assert [c["type"] for c in item["content"]] == ["output_text"]
+        if item["type"] == "function_call":
+            names = {t["name"] for t in request.get("tools") or []}
+            assert item["name"] in names, "a call to an unknown function"
+            assert isinstance(json.loads(item["arguments"]), dict)
+    if not final:
+        return
+    assert response["status"] in ("completed", "incomplete")
+    usage = response["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert 1 <= usage["output_tokens"] <= request["max_output_tokens"], "more tokens than asked"
+    assert 0 <= usage["output_tokens_details"]["reasoning_tokens"] <= usage["output_tokens"]
+    assert 0 <= usage["input_tokens_details"]["cached_tokens"] < usage["input_tokens"]
+    if response["status"] == "incomplete":
+        assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert usage["output_tokens"] == request["max_output_tokens"]
+
+
+def check_response(case: Case, reply: Reply):
+    """A Responses reply: the response object, or its events in order (created first, each item
+    added before its deltas and done before the end, text deltas adding up)."""
+    if case.request.get("stream") is not True:
+        check_response_object(json.loads(reply.body), case.request, final=True)
+        return
+    events = sse_events(reply.body)
+    assert events, "an empty stream"
+    texts: dict[int, str] = {}
+    open_items: set[int] = set()
+    for i, (name, data) in enumerate(events):
+        event = json.loads(data)
+        assert name == event["type"], "the event name differs from its type"
+        assert event["sequence_number"] == i, "sequence numbers must count from 0"
+        kind = event["type"]
+        if i == 0:
+            assert kind == "response.created", "the first event is not response.created"
+        if kind in ("response.created", "response.in_progress"):
+            check_response_object(event["response"], case.request, final=False)
+        elif kind == "response.output_item.added":
+            assert event["output_index"] not in open_items, "an item added twice"
+            open_items.add(event["output_index"])
+            texts[event["output_index"]] = ""
+        elif kind.endswith(".delta"):
+            assert event["output_index"] in open_items, f"{kind} outside its item"
+            texts[event["output_index"]] += event["delta"]
+        elif kind in ("response.output_text.done", "response.reasoning_text.done"):
+            assert event["text"] == texts[event["output_index"]], "deltas do not add up"
+        elif kind == "response.function_call_arguments.done":
+            assert event["arguments"] == texts[event["output_index"]], "deltas do not add up"
+        elif kind == "response.output_item.done":
+            open_items.remove(event["output_index"])
+    assert not open_items, "items left open"
+    last = json.loads(events[-1][1])
+    assert last["type"] in ("response.completed", "response.incomplete"), last["type"]
+    check_response_object(last["response"], case.request, final=True)
+    assert len(last["response"]["output"]) == len(texts), "the output lacks streamed items"
 
 
 def check_usage(usage: dict, request: dict, finishes: list[str]):
@@ -829,6 +916,80 @@ def test_random_valid_requests_get_valid_replies(server):
         )
 
     run_cases(server, cases, also=replays_alike)
+
+
+def random_response_request(rng: random.Random) -> dict:
+    """A Responses API request the server must take: input items made from a random chat."""
+    items = []
+    for m in random_messages(rng):
+        if m.get("tool_calls"):
+            call = m["tool_calls"][0]
+            if rng.random() < 0.3:
+                items.append({"type": "reasoning", "summary": [],
+                              "content": [{"type": "reasoning_text", "text": random_text(rng)}]})
+            items.append({"type": "function_call", "call_id": call["id"],
+                          "name": call["function"]["name"],
+                          "arguments": call["function"]["arguments"] or "{}"})
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
+        else:
+            content = m["content"]
+            if isinstance(content, list):
+                kind = "output_text" if m["role"] == "assistant" else "input_text"
+                content = [{"type": kind, "text": part["text"]} for part in content]
+            item = {"role": m["role"], "content": content}
+            if rng.random() < 0.5:
+                item["type"] = "message"
+            items.append(item)
+    request = {"input": rng.choice([items, random_text(rng) or "x"]),
+               "max_output_tokens": rng.choice([1, 2, 5, 12])}
+    for key, make in {
+        "model": lambda: MODEL,
+        "instructions": lambda: random_text(rng),
+        "temperature": lambda: rng.choice([0, rng.uniform(0, 2)]),
+        "top_p": lambda: rng.uniform(0.01, 1),
+        "seed": lambda: rng.randint(0, 2**31),
+        "reasoning": lambda: {"effort": rng.choice(["none", "low", "high"])},
+        "store": lambda: False,
+        "metadata": lambda: {"run": str(SEED)},
+        "parallel_tool_calls": lambda: rng.random() < 0.5,
+        "stream": lambda: rng.random() < 0.6,
+        "text": lambda: {"format": rng.choice([
+            {"type": "text"}, {"type": "json_object"},
+            {"type": "json_schema", "name": "w", "schema": WEATHER_TOOL["function"]["parameters"]},
+        ])},
+    }.items():
+        if rng.random() < 0.4:
+            request[key] = make()
+    if rng.random() < 0.4:
+        tools = [{"type": "function", **t["function"]} for t in (WEATHER_TOOL, CITY_TOOL)]
+        request["tools"] = tools[: rng.randint(1, 2)]
+        if rng.random() < 0.5:
+            request["tool_choice"] = rng.choice([
+                "auto", "none", "required",
+                {"type": "function", "name": request["tools"][-1]["name"]},
+            ])
+    return request
+
+
+def test_random_responses_requests_get_valid_responses(server):
+    rng = random.Random(SEED + 7)
+    cases = [json_case(f"responses #{i}", RESPONSES, random_response_request(rng), "ok")
+             for i in range(80)]
+    for junk_case in [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": []}, "input"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "temperature": "hot"}, "temperature"),
+        ({"input": [{"role": "wizard", "content": "x"}]}, "input"),
+    ]:
+        cases.append(json_case(f"refused {junk_case[1]}", RESPONSES, junk_case[0], "error",
+                               param=junk_case[1]))
+    run_cases(server, cases)
 
 
 def test_mutated_fields_are_refused_naming_the_field_or_taken(server):

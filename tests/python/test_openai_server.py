@@ -443,6 +443,75 @@ def test_a_named_tool_choice_gives_a_parsed_call(demo):
     assert isinstance(call.function.parsed_arguments, SetMode), call.function.arguments
 
 
+def test_responses_api_whole_streamed_and_agent_loop(demo):
+    """The Responses API as the official client drives it: a reply (reasoning item, then the
+    message) whole and through `responses.stream` (which checks the event sequence); a forced
+    function call fed back with its output; structured output parsed into a pydantic model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    client = demo.client()
+    kwargs = dict(model="lily-demo", temperature=0, max_output_tokens=16)
+    whole = client.responses.create(input="Say something.", instructions="Be brief.", **kwargs)
+    assert whole.object == "response" and whole.status == "incomplete"
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in whole.output] == ["reasoning"]
+    assert whole.usage.output_tokens == 16 and whole.usage.output_tokens_details.reasoning_tokens
+    thought = whole.output[0].content[0].text
+    assert thought
+
+    with client.responses.stream(
+        input="Say something.", instructions="Be brief.", **kwargs
+    ) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thought
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert events[-1].response.output[0].content[0].text == thought
+
+    no_thinking = dict(model="lily-demo", temperature=0, reasoning={"effort": "none"})
+    answer = client.responses.create(input="Hi", max_output_tokens=8, **no_thinking)
+    assert [item.type for item in answer.output] == ["message"]
+    assert answer.output_text
+
+    class SetMode(BaseModel):
+        mode: Literal["fast", "slow"]
+        level: int = Field(ge=1, le=5)
+
+    tool = {"type": "function", "name": "set_mode", "parameters": SetMode.model_json_schema()}
+    first = client.responses.create(
+        input="Go.", tools=[tool], tool_choice={"type": "function", "name": "set_mode"},
+        max_output_tokens=300, **no_thinking,
+    )
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "set_mode" and first.status == "completed"
+    SetMode.model_validate_json(call.arguments)
+    follow_up = [
+        {"role": "user", "content": "Go."},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "done"},
+    ]
+    second = client.responses.create(input=follow_up, tools=[tool], max_output_tokens=8,
+                                     **no_thinking)
+    assert second.status in ("completed", "incomplete")
+
+    parsed = client.responses.parse(
+        input="Pick.", text_format=SetMode, max_output_tokens=96, **no_thinking
+    )
+    assert isinstance(parsed.output_parsed, SetMode)
+    with client.responses.stream(
+        input="Pick.", text_format=SetMode, max_output_tokens=96, **no_thinking
+    ) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == parsed.output_parsed
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(input="x", previous_response_id="resp_1", model="lily-demo")
+    assert refused.value.body["param"] == "previous_response_id"
+
+
 def test_api_key():
     server = Server("--api-key", "sekrit")
     try:
