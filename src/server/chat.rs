@@ -1,6 +1,8 @@
 //! `POST /v1/chat/completions`: a conversation rendered with the model's chat template,
 //! generated, and answered as a chat completion (whole, or streamed as chunks) with the reply
-//! split into `reasoning_content`, `content` and `tool_calls`.
+//! split into `reasoning_content`, `content` and `tool_calls`. A `response_format` schema or a
+//! forced `tool_choice` becomes a grammar the reply is sampled under. [`queue_chat`] (checking,
+//! rendering, queueing) and [`ChoiceOutput`] (sorting the reply) serve the Responses API too.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,7 +17,7 @@ use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events, off
 use super::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatFields, ChatLogprobs, ChatMessage,
     ChatTokenLogprob, ChatTopLogprob, CommonFields, FunctionCallOut, MessageContent, ReplyMessage,
-    Tool, ToolCallOut, ToolChoice, Usage,
+    ResponseFormat, Tool, ToolCallOut, ToolChoice, Usage,
 };
 use super::reasoning::ReasoningSplitter;
 use super::stream::{self, ChunkWriter, SseChunk, chunk, respond};
@@ -83,30 +85,7 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
              /v1/completions with token-id prompts.",
         ));
     };
-    // `Some(schema)`: structured output, `Some(None)` any JSON object.
-    let json_schema = match chat.response_format {
-        None => None,
-        Some(format) => match (format.kind.as_str(), format.json_schema) {
-            ("text", _) => None,
-            ("json_object", _) => Some(None),
-            ("json_schema", Some(spec)) => Some(spec.schema),
-            ("json_schema", None) => {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    "`response_format` of type `json_schema` needs a `json_schema` object.",
-                ));
-            }
-            (other, _) => {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    format!(
-                        "response_format `{other}` is not supported (`text`, `json_object`, \
-                         `json_schema`)."
-                    ),
-                ));
-            }
-        },
-    };
+    let json_schema = json_schema_of(chat.response_format)?;
     let logprobs = match (chat.logprobs.unwrap_or(false), chat.top_logprobs) {
         (false, None | Some(0)) => None,
         (false, Some(_)) => {
@@ -134,43 +113,7 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
             ),
         ));
     }
-    // `Some(None)`: the reply must call tools, `Some(Some(name))` must call that one.
-    let forced_call = match &chat.tool_choice {
-        None => None,
-        Some(ToolChoice::Mode(mode)) if mode == "auto" || mode == "none" => None,
-        Some(ToolChoice::Mode(mode)) if mode == "required" => Some(None),
-        Some(ToolChoice::Mode(mode)) => {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                format!(
-                    "`tool_choice` \"{mode}\" is not one of \"auto\", \"none\", \"required\" or \
-                     {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}."
-                ),
-            ));
-        }
-        Some(ToolChoice::Named(named)) => match named["function"]["name"].as_str() {
-            Some(name) if named["type"] == "function" => Some(Some(name.to_owned())),
-            _ => {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    "A named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": \
-                     NAME}}.",
-                ));
-            }
-        },
-    };
-    if let Some(only) = &forced_call {
-        let known = match only {
-            None => !tools.is_empty(),
-            Some(name) => tools.iter().any(|t| &t.function.name == name),
-        };
-        if !known {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                "`tool_choice` forces a call to a tool that `tools` does not list.",
-            ));
-        }
-    }
+    let forced_call = forced_call_of(chat.tool_choice.as_ref(), &tools)?;
     let parse_tool_calls = match &chat.tool_choice {
         Some(ToolChoice::Mode(mode)) if mode == "none" => false,
         _ => !tools.is_empty(),
@@ -250,13 +193,78 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
     })
 }
 
-/// Messages as the template expects them: OpenAI's `developer` role as `system`, text parts
-/// kept, and tool-call arguments (a JSON string in OpenAI's format) as objects.
-/// Where the prompt is worth keeping in the prefix cache: where the first message after the
-/// system block starts (other conversations with the same system prompt and tools share what is
-/// before) and where the last one, the generation prompt, starts (the next turn of this
-/// conversation repeats everything before it; what comes after, the opened assistant turn, is
-/// rendered differently once the reply is in the history).
+/// The schema `response_format` holds the reply to: `Some(schema)` structured output,
+/// `Some(None)` any JSON object, `None` free text.
+fn json_schema_of(format: Option<ResponseFormat>) -> Result<Option<Option<Value>>, ApiError> {
+    Ok(match format {
+        None => None,
+        Some(format) => match (format.kind.as_str(), format.json_schema) {
+            ("text", _) => None,
+            ("json_object", _) => Some(None),
+            ("json_schema", Some(spec)) => Some(spec.schema),
+            ("json_schema", None) => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "`response_format` of type `json_schema` needs a `json_schema` object.",
+                ));
+            }
+            (other, _) => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                        "response_format `{other}` is not supported (`text`, `json_object`, \
+                         `json_schema`)."
+                    ),
+                ));
+            }
+        },
+    })
+}
+
+/// The calls `tool_choice` forces: `Some(None)` any of the tools, `Some(Some(name))` that one.
+fn forced_call_of(
+    choice: Option<&ToolChoice>,
+    tools: &[Tool],
+) -> Result<Option<Option<String>>, ApiError> {
+    let forced = match choice {
+        None => None,
+        Some(ToolChoice::Mode(mode)) if mode == "auto" || mode == "none" => None,
+        Some(ToolChoice::Mode(mode)) if mode == "required" => Some(None),
+        Some(ToolChoice::Mode(mode)) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "`tool_choice` \"{mode}\" is not one of \"auto\", \"none\", \"required\" or \
+                     {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}."
+                ),
+            ));
+        }
+        Some(ToolChoice::Named(named)) => match named["function"]["name"].as_str() {
+            Some(name) if named["type"] == "function" => Some(Some(name.to_owned())),
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "A named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": \
+                     NAME}}.",
+                ));
+            }
+        },
+    };
+    if let Some(only) = &forced {
+        let known = match only {
+            None => !tools.is_empty(),
+            Some(name) => tools.iter().any(|t| &t.function.name == name),
+        };
+        if !known {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "`tool_choice` forces a call to a tool that `tools` does not list.",
+            ));
+        }
+    }
+    Ok(forced)
+}
+
 /// What a constraint holds the reply to.
 enum Shape {
     /// A JSON value of this schema (any JSON object without one).
@@ -270,6 +278,11 @@ fn opens_thought(prompt_text: &str) -> bool {
     prompt_text.trim_end().ends_with("<think>")
 }
 
+/// Where the prompt is worth keeping in the prefix cache: where the first message after the
+/// system block starts (other conversations with the same system prompt and tools share what is
+/// before) and where the last one, the generation prompt, starts (the next turn of this
+/// conversation repeats everything before it; what comes after, the opened assistant turn, is
+/// rendered differently once the reply is in the history).
 fn message_starts(prompt: &[u32], im_start: Option<u32>) -> Vec<usize> {
     let Some(im_start) = im_start else {
         return Vec::new();
@@ -283,6 +296,8 @@ fn message_starts(prompt: &[u32], im_start: Option<u32>) -> Vec<usize> {
     first.into_iter().chain(starts.next_back()).collect()
 }
 
+/// Messages as the template expects them: OpenAI's `developer` role as `system`, text parts
+/// kept, and tool-call arguments (a JSON string in OpenAI's format) as objects.
 fn template_messages(messages: Vec<ChatMessage>) -> Result<Value, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "`messages` is empty."));
