@@ -40,15 +40,16 @@ impl Grammars {
         Ok(Self { factory, think_end })
     }
 
-    /// A constraint to a JSON value matching `schema` (any JSON object without one). Errors name
-    /// what in the schema is not supported.
+    /// A constraint to a JSON value matching `schema` (any JSON object without one), after at
+    /// most two newlines (what Qwen writes after `</think>`; the reply's content leaves them
+    /// out). Errors name what in the schema is not supported.
     pub fn json(&self, schema: Option<&Value>) -> Result<Constraint> {
         let mut schema = schema.cloned().unwrap_or_else(|| json!({"type": "object"}));
         let object = schema
             .as_object_mut()
             .ok_or_else(|| anyhow!("a JSON schema must be an object"))?;
         object.insert("x-guidance".into(), json_style());
-        self.constraint(TopLevelGrammar::from_json_schema(schema))
+        self.lark(&format!("start: /\\n{{1,2}}/? %json {schema}"))
     }
 
     /// A constraint to a grammar in llguidance's Lark syntax.
@@ -179,5 +180,53 @@ impl TokenizerEnv for TrieEnv {
             Ok(Ok(ids)) => ids,
             _ => self.trie.greedy_tokenize(s),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether the tokens of `text` and then `<|im_end|>` are each allowed in turn.
+    fn allows(constraint: &mut Constraint, tokenizer: &Tokenizer, text: &str) -> bool {
+        let im_end = tokenizer.token_id("<|im_end|>").unwrap();
+        let mut logits = vec![0.0f32; tokenizer.vocab_size()];
+        for id in tokenizer.encode(text).unwrap().into_iter().chain([im_end]) {
+            logits.fill(0.0);
+            constraint.mask(&mut logits).unwrap();
+            if !logits[id as usize].is_finite() {
+                return false;
+            }
+            constraint.advance(id).unwrap();
+        }
+        true
+    }
+
+    #[test]
+    fn json_replies_are_compact_and_may_follow_two_newlines() {
+        let tokenizer = Arc::new(crate::model::demo::demo().unwrap().tokenizer);
+        let im_end = tokenizer.token_id("<|im_end|>").unwrap();
+        let grammars = Grammars::new(tokenizer.clone(), im_end).unwrap();
+        let schema = json!({"type": "object", "properties": {"a": {"type": "array"}},
+                            "required": ["a"], "additionalProperties": false});
+        for (text, allowed) in [
+            (r#"{"a": [1, "x"]}"#, true),
+            ("\n\n{\"a\": []}", true),
+            ("\n{\"a\": []}", true),
+            ("\n\n\n{\"a\": []}", false),
+            (r#"{"a":[1]}"#, false),
+            (r#"{ "a": [] }"#, false),
+            (r#"{"a": [], "b": 1}"#, false),
+            (r#"{"a": []} trailing"#, false),
+        ] {
+            let mut c = grammars.json(Some(&schema)).unwrap();
+            assert_eq!(allows(&mut c, &tokenizer, text), allowed, "{text:?}");
+        }
+        // With the thought open, anything goes until `</think>`, then the grammar.
+        let mut c = grammars.json(None).unwrap().after_thought();
+        assert!(allows(&mut c, &tokenizer, "free { text </think>\n\n{}"));
+        let mut c = grammars.json(None).unwrap().after_thought();
+        assert!(!allows(&mut c, &tokenizer, "thought</think>not json"));
+        assert!(grammars.json(Some(&json!([1]))).is_err());
     }
 }
