@@ -596,7 +596,10 @@ fn serve(args: ServeArgs) -> Result<()> {
 fn serve_on_cuda(model: Arc<Model>, served: ServedModel, options: ServeOptions) -> Result<()> {
     let cuda = lily::backend::cuda::CudaOptions {
         max_context: options.context.min(served.max_position_embeddings),
-        max_sequences: options.max_batch + options.prefix_cache,
+        // A sequence starting from a cached prefix holds its own slot while it is copied.
+        max_sequences: options.max_batch
+            + options.prefix_cache
+            + usize::from(options.prefix_cache > 0),
         use_graphs: true,
         prefill_chunk: options.prefill_chunk,
     };

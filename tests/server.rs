@@ -549,6 +549,14 @@ async fn the_prefix_cache_serves_later_turns_and_changes_no_reply() {
         (cached_tokens(two) + cached_tokens(three)) as f64
     );
     assert!(metric_value(&text, "lily_prefix_cache_entries") >= 3.0);
+
+    // Choices admitted together: the later ones start from what the first stored on its way.
+    let mut choices = conversation(json!([system, {"role": "user", "content": "Count to 3."}]));
+    choices["n"] = json!(3);
+    let (_, v) = post(&cached, "/v1/chat/completions", choices).await;
+    let messages: Vec<&Value> = (0..3).map(|i| &v["choices"][i]["message"]).collect();
+    assert!(messages.iter().all(|m| *m == messages[0]), "{v}");
+    assert_eq!(cached_tokens(&v), *message_starts(&v).last().unwrap(), "{v}");
 }
 
 /// A finished sequence leaves its state, so a prompt that continues its output (a completion

@@ -41,7 +41,8 @@ pub struct EngineOptions {
     /// Prompt tokens prefilled per engine step.
     pub prefill_chunk: usize,
     /// Sequence states the prefix cache keeps (0 turns it off). A backend with a fixed pool of
-    /// states needs `max_batch + prefix_cache` of them.
+    /// states needs `max_batch + prefix_cache + 1` of them (a sequence that starts from a cached
+    /// prefix holds its fresh state until the copy is made).
     pub prefix_cache: usize,
 }
 
@@ -493,20 +494,19 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         let device_sampled = self.backend.samples_on_device()
             && request.params.sampling.is_drawable_anywhere()
             && reports_nothing;
-        let (state, cached_tokens) = self.start_state(&request.prompt)?;
         let mut cache_points: Vec<usize> = request
             .cache_points
             .into_iter()
-            .filter(|&p| p >= MIN_CACHED_PREFIX.max(cached_tokens + 1) && p <= request.prompt.len())
+            .filter(|&p| p >= MIN_CACHED_PREFIX && p <= request.prompt.len())
             .collect();
         cache_points.sort_unstable();
         cache_points.dedup();
         Ok(Sequence {
-            state,
+            state: self.backend.new_state()?,
             prompt: request.prompt,
-            prefilled: cached_tokens,
+            prefilled: 0,
             cache_points,
-            cached_tokens,
+            cached_tokens: 0,
             sampler,
             output: Output::new(&request.params, self.tokenizer).skipping_special_tokens(),
             events,
@@ -523,33 +523,17 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         })
     }
 
-    /// A copy of the longest cached prefix's state and its length, else a fresh state.
-    fn start_state(&mut self, prompt: &[u32]) -> Result<(B::State, usize)> {
-        if let Some((cached, state)) = self.cache.longest_prefix(prompt) {
-            match self.backend.fork(state) {
-                Ok(state) => {
-                    let metrics = self.metrics();
-                    metrics.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
-                    metrics
-                        .cached_prompt_tokens
-                        .fetch_add(cached as u64, Ordering::Relaxed);
-                    return Ok((state, cached));
-                }
-                Err(e) => tracing::warn!(
-                    error = format!("{e:#}"),
-                    "cannot copy a cached prefix; prefilling the whole prompt"
-                ),
-            }
-        }
-        Ok((self.backend.new_state()?, 0))
-    }
-
     /// Prefills up to `prefill_chunk` prompt tokens, oldest request first, stopping at each
-    /// cache point to store a copy of the state.
+    /// cache point to store a copy of the state. A sequence looks for a cached prefix when its
+    /// prefill starts, not when it is admitted, so that requests admitted together (`n`
+    /// choices, agents sharing a system prompt) find what the first of them stored.
     fn prefill_step(&mut self) {
         let mut budget = self.shared.options.prefill_chunk;
         let metrics = self.metrics();
         for s in self.running.iter_mut() {
+            if budget > 0 && !s.done && s.prefilled == 0 {
+                start_from_cache(&mut self.cache, self.backend, s, metrics);
+            }
             while budget > 0 && !s.done && s.prefilled < s.prompt.len() {
                 let point = s.cache_points.first().copied();
                 let end = s
@@ -698,6 +682,35 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         metrics
             .prefix_cache_entries
             .store(self.cache.len(), Ordering::Relaxed);
+    }
+}
+
+/// Moves `s` onto a copy of the longest cached prefix of its prompt, if there is one. A failed
+/// copy only costs the reuse: the sequence keeps its fresh state.
+fn start_from_cache<B: Backend>(
+    cache: &mut PrefixCache<B::State>,
+    backend: &B,
+    s: &mut Sequence<'_, B::State>,
+    metrics: &EngineMetrics,
+) {
+    let Some((cached, state)) = cache.longest_prefix(&s.prompt) else {
+        return;
+    };
+    match backend.fork(state) {
+        Ok(state) => {
+            s.state = state;
+            s.prefilled = cached;
+            s.cached_tokens = cached;
+            s.cache_points.retain(|&p| p > cached);
+            metrics.prefix_cache_hits.fetch_add(1, Ordering::Relaxed);
+            metrics
+                .cached_prompt_tokens
+                .fetch_add(cached as u64, Ordering::Relaxed);
+        }
+        Err(e) => tracing::warn!(
+            error = format!("{e:#}"),
+            "cannot copy a cached prefix; prefilling the whole prompt"
+        ),
     }
 }
 
