@@ -550,13 +550,38 @@ async fn the_prefix_cache_serves_later_turns_and_changes_no_reply() {
     );
     assert!(metric_value(&text, "lily_prefix_cache_entries") >= 3.0);
 
+    // The same request again starts from its own cached prefix, whose prefill was split where
+    // its first run's was: the same logprobs, to the bit.
+    let mut with_logprobs = first.clone();
+    with_logprobs["logprobs"] = json!(true);
+    with_logprobs["top_logprobs"] = json!(3);
+    let (_, before) = post(&uncached, "/v1/chat/completions", with_logprobs.clone()).await;
+    let (_, again) = post(&cached, "/v1/chat/completions", with_logprobs.clone()).await;
+    let (_, once_more) = post(&cached, "/v1/chat/completions", with_logprobs).await;
+    assert!(
+        cached_tokens(&again) > 0 && cached_tokens(&once_more) > 0,
+        "{again}"
+    );
+    assert_eq!(
+        again["choices"][0]["logprobs"],
+        once_more["choices"][0]["logprobs"]
+    );
+    assert_eq!(
+        again["choices"][0]["message"],
+        before["choices"][0]["message"]
+    );
+
     // Choices admitted together: the later ones start from what the first stored on its way.
     let mut choices = conversation(json!([system, {"role": "user", "content": "Count to 3."}]));
     choices["n"] = json!(3);
     let (_, v) = post(&cached, "/v1/chat/completions", choices).await;
     let messages: Vec<&Value> = (0..3).map(|i| &v["choices"][i]["message"]).collect();
     assert!(messages.iter().all(|m| *m == messages[0]), "{v}");
-    assert_eq!(cached_tokens(&v), *message_starts(&v).last().unwrap(), "{v}");
+    assert_eq!(
+        cached_tokens(&v),
+        *message_starts(&v).last().unwrap(),
+        "{v}"
+    );
 }
 
 /// A finished sequence leaves its state, so a prompt that continues its output (a completion
