@@ -337,10 +337,12 @@ fn response_format(format: &Value) -> Result<Value, ApiError> {
 
 /// A chat request's error, naming the Responses field it came from.
 fn responses_param(mut e: ApiError) -> ApiError {
+    // Chat's messages are made from `instructions` and `input`, so an index into them names no
+    // input item: the field is named whole.
     let renamed = match e.param.as_deref() {
-        Some("messages") => Some("input"),
+        Some(p) if p.starts_with("messages") => Some("input"),
         Some("max_completion_tokens") => Some("max_output_tokens"),
-        Some("response_format") => Some("text.format"),
+        Some(p) if p.starts_with("response_format") => Some("text.format"),
         _ => None,
     };
     if let Some(name) = renamed {
@@ -459,9 +461,15 @@ impl ResponseReply {
         match event {
             Event::Token { text, .. } => {
                 let delta = self.choice.push(&text, false);
-                if delta.reasoning_content.is_some() && delta.content.is_none() {
-                    self.reasoning_tokens += 1;
-                }
+                // A token whose text is held back belongs to the item being written.
+                let thinking = match (&delta.reasoning_content, &delta.content) {
+                    (Some(_), None) => true,
+                    (None, None) if delta.tool_calls.is_empty() => {
+                        matches!(self.open, Some(OpenItem::Reasoning { .. }))
+                    }
+                    _ => false,
+                };
+                self.reasoning_tokens += usize::from(thinking);
                 self.apply_delta(delta);
             }
             Event::Finished {
