@@ -134,6 +134,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             + args.trace.as_ref().map_or(0, |_| TRACE_WARMUP + 1)
             + 2,
         max_sequences: args.batch.max(1),
+        spare_sequences: 0,
         use_graphs: args.use_graphs,
         prefill_chunk: args.prefill_chunk,
     };

@@ -208,7 +208,8 @@ struct ServeArgs {
     prefill_chunk: Option<u32>,
     /// Sequence states kept so that prompts starting the same way (the next turn of a
     /// conversation, the same system prompt and tools) prefill only the rest; 0 turns it off.
-    /// On CUDA each takes a sequence slot of `--context` tokens besides `--max-batch`'s.
+    /// On CUDA each takes a sequence slot of `--context` tokens besides `--max-batch`'s, as far
+    /// as the free GPU memory allows.
     #[arg(long, default_value_t = 8)]
     prefix_cache: usize,
     /// Largest request body in bytes.
@@ -334,6 +335,7 @@ macro_rules! cuda_backend {
         let opts = lily::backend::cuda::CudaOptions {
             max_context: $device.context as usize,
             max_sequences: 1,
+            spare_sequences: 0,
             use_graphs: true,
             prefill_chunk: lily::backend::cuda::DEFAULT_PREFILL_CHUNK,
         };
@@ -590,16 +592,15 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
 }
 
-/// Serves on the GPU: one CUDA sequence slot per `--max-batch` and per `--prefix-cache` entry,
-/// each `--context` long.
+/// Serves on the GPU: one CUDA sequence slot per `--max-batch`, each `--context` long, and, as
+/// far as the free memory allows, one per `--prefix-cache` entry and one for the copy a sequence
+/// starting from a cached prefix takes.
 #[cfg(feature = "cuda")]
 fn serve_on_cuda(model: Arc<Model>, served: ServedModel, options: ServeOptions) -> Result<()> {
     let cuda = lily::backend::cuda::CudaOptions {
         max_context: options.context.min(served.max_position_embeddings),
-        // A sequence starting from a cached prefix holds its own slot while it is copied.
-        max_sequences: options.max_batch
-            + options.prefix_cache
-            + usize::from(options.prefix_cache > 0),
+        max_sequences: options.max_batch,
+        spare_sequences: options.prefix_cache + usize::from(options.prefix_cache > 0),
         use_graphs: true,
         prefill_chunk: options.prefill_chunk,
     };

@@ -54,6 +54,7 @@ fn cuda(model: &Model, sequences: usize) -> CudaBackend {
     let opts = CudaOptions {
         max_context: 256,
         max_sequences: sequences,
+        spare_sequences: 0,
         use_graphs: true,
         prefill_chunk: DEFAULT_PREFILL_CHUNK,
     };
@@ -158,6 +159,7 @@ fn pipelined_runs_choose_the_step_by_step_ids() {
         CudaOptions {
             max_context,
             max_sequences: 2,
+            spare_sequences: 0,
             use_graphs: true,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
         },
@@ -258,6 +260,7 @@ fn context_limit_is_an_error() {
         CudaOptions {
             max_context: 4,
             max_sequences: 1,
+            spare_sequences: 0,
             use_graphs: true,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
         },
@@ -305,6 +308,30 @@ fn memory_use_counts_the_backends_own_buffers() {
     assert!(
         m1.total() + m3.total() <= in_use,
         "{m1:?} {m3:?} of {in_use}"
+    );
+}
+
+/// Spare slots (the prefix cache's) come beside the required ones while memory allows, and the
+/// pool holds exactly that many states.
+#[test]
+fn spare_slots_add_to_the_pool_of_states() {
+    let model = Model::load(&fixtures()[0]).unwrap();
+    let opts = CudaOptions {
+        max_context: 64,
+        max_sequences: 1,
+        spare_sequences: 2,
+        use_graphs: true,
+        prefill_chunk: DEFAULT_PREFILL_CHUNK,
+    };
+    let gpu = CudaBackend::new(&model, opts).unwrap();
+    assert_eq!(gpu.max_states(), Some(3));
+    let states: Vec<_> = (0..3).map(|_| gpu.new_state().unwrap()).collect();
+    assert!(gpu.new_state().is_err());
+    drop(states);
+    assert!(gpu.new_state().is_ok());
+    assert_eq!(
+        gpu.memory_use().unwrap().sequences,
+        3 * CudaBackend::slot_bytes(&model.config, 64)
     );
 }
 
@@ -604,6 +631,7 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
             CudaOptions {
                 max_context: 4096,
                 max_sequences: 1,
+                spare_sequences: 0,
                 use_graphs: true,
                 prefill_chunk: 1024,
             },
@@ -632,6 +660,7 @@ fn single_token_prefill_chunks_hand_their_conv_inputs_to_decode() {
             CudaOptions {
                 max_context: 64,
                 max_sequences: 1,
+                spare_sequences: 0,
                 use_graphs: true,
                 prefill_chunk: 8,
             },

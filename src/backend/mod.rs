@@ -45,6 +45,12 @@ pub trait Backend {
     /// A fresh state for a new sequence.
     fn new_state(&self) -> Result<Self::State>;
 
+    /// How many states can exist at once, where the backend holds a fixed pool of them (`None`:
+    /// as many as host memory allows).
+    fn max_states(&self) -> Option<usize> {
+        None
+    }
+
     /// An independent copy of a sequence's state (prefix caching, speculative decoding).
     fn fork(&self, state: &Self::State) -> Result<Self::State>;
 

@@ -42,7 +42,7 @@ pub struct EngineOptions {
     pub prefill_chunk: usize,
     /// Sequence states the prefix cache keeps (0 turns it off). A backend with a fixed pool of
     /// states needs `max_batch + prefix_cache + 1` of them (a sequence that starts from a cached
-    /// prefix holds its fresh state until the copy is made).
+    /// prefix holds its fresh state until the copy is made); with fewer the cache keeps fewer.
     pub prefix_cache: usize,
 }
 
@@ -254,7 +254,7 @@ impl Engine {
                     messages: receiver,
                     waiting: VecDeque::new(),
                     running: Vec::new(),
-                    cache: PrefixCache::new(options.prefix_cache),
+                    cache: PrefixCache::new(cache_capacity(&options, backend.max_states())),
                 }
                 .run();
             })
@@ -714,6 +714,23 @@ fn start_from_cache<B: Backend>(
     }
 }
 
+/// The states the prefix cache may keep: what was asked for, within what a backend with a fixed
+/// pool of states has beside the running sequences and the copy a starting sequence takes.
+fn cache_capacity(options: &EngineOptions, max_states: Option<usize>) -> usize {
+    let Some(states) = max_states else {
+        return options.prefix_cache;
+    };
+    let spare = states.saturating_sub(options.max_batch + 1);
+    if spare < options.prefix_cache {
+        tracing::warn!(
+            asked = options.prefix_cache,
+            kept = spare,
+            "the backend has room for fewer prefix-cache states than asked for"
+        );
+    }
+    spare.min(options.prefix_cache)
+}
+
 /// Stores a copy of `state`, the state after `tokens`, unless the cache holds one already. A
 /// failed copy (no free state on the device) only costs the entry.
 fn keep_copy<B: Backend>(
@@ -818,4 +835,26 @@ fn fail<S>(s: &mut Sequence<'_, S>, error: &anyhow::Error, metrics: &EngineMetri
     s.done = true;
     metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
     let _ = s.events.send(Event::Failed(format!("{error:#}")));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_keeps_what_the_backends_pool_has_room_for() {
+        let options = |prefix_cache| EngineOptions {
+            max_batch: 32,
+            max_queue: 1,
+            prefill_chunk: 512,
+            prefix_cache,
+        };
+        assert_eq!(cache_capacity(&options(8), None), 8);
+        // The running sequences and one starting copy come first.
+        assert_eq!(cache_capacity(&options(8), Some(32 + 1 + 8)), 8);
+        assert_eq!(cache_capacity(&options(8), Some(32 + 1 + 3)), 3);
+        assert_eq!(cache_capacity(&options(8), Some(32 + 1)), 0);
+        assert_eq!(cache_capacity(&options(8), Some(4)), 0);
+        assert_eq!(cache_capacity(&options(0), Some(100)), 0);
+    }
 }

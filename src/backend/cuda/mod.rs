@@ -407,8 +407,12 @@ impl MemoryUse {
 pub struct CudaOptions {
     /// Longest sequence (prompt + output) a slot holds.
     pub max_context: usize,
-    /// Sequences that can be alive at once.
+    /// Sequences that can be alive at once (the backend refuses to start without room for them).
     pub max_sequences: usize,
+    /// More sequence slots (for states kept aside, as the prefix cache does), allocated last and
+    /// only while they leave `SPARE_SLOT_RESERVE` of the device free, so a GPU shared with other
+    /// processes gets fewer rather than none (`Backend::max_states` says how many came).
+    pub spare_sequences: usize,
     /// Replay each step as a CUDA graph (off: launch kernels one by one, for profilers).
     pub use_graphs: bool,
     /// Prompt tokens run through the model at once by prefill: larger chunks read the expert
@@ -417,6 +421,10 @@ pub struct CudaOptions {
     /// steps of other sequences longer.
     pub prefill_chunk: usize,
 }
+
+/// Device memory that spare sequence slots leave free (for the driver, graphs and other
+/// processes' growth).
+const SPARE_SLOT_RESERVE: usize = 2 << 30;
 
 /// `CudaOptions::prefill_chunk` unless told otherwise.
 pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
@@ -697,8 +705,8 @@ impl CudaBackend {
         ensure!(
             needed <= free,
             "{} sequence slots of {} tokens need {:.2} GB of GPU memory, but {:.2} GB is free \
-             (other processes may hold the rest): serve fewer (--max-batch, --prefix-cache) or \
-             shorter (--context) sequences",
+             (other processes may hold the rest): serve fewer (--max-batch) or shorter \
+             (--context) sequences",
             opts.max_sequences,
             opts.max_context,
             needed as f64 / 1e9,
@@ -731,6 +739,22 @@ impl CudaBackend {
         let prefill_chunk = opts.prefill_chunk.min(opts.max_context);
         let prefill = prefill::PrefillScratch::new(&stream, c, prefill_chunk)?;
         let grouped_experts = prefill.grouped_experts(&stream);
+        let slot_bytes = Self::slot_bytes(c, opts.max_context);
+        for _ in 0..opts.spare_sequences {
+            let (free, _) = cudarc::driver::result::mem_get_info()?;
+            if free < slot_bytes + SPARE_SLOT_RESERVE {
+                break;
+            }
+            slots.push(Self::new_slot(&stream, c, opts.max_context)?);
+        }
+        if slots.len() < opts.max_sequences + opts.spare_sequences {
+            tracing::warn!(
+                wanted = opts.spare_sequences,
+                got = slots.len() - opts.max_sequences,
+                "the free GPU memory holds fewer spare sequence slots than wanted"
+            );
+        }
+        let total_slots = slots.len();
         stream.synchronize()?;
         Ok(Self {
             config,
@@ -742,7 +766,7 @@ impl CudaBackend {
             scratch,
             slots: Mutex::new(slots),
             batch: Mutex::new(batch),
-            free: Arc::new(Mutex::new((0..opts.max_sequences).rev().collect())),
+            free: Arc::new(Mutex::new((0..total_slots).rev().collect())),
             max_context: opts.max_context,
             use_graphs: opts.use_graphs,
             num_sms,
@@ -1029,6 +1053,10 @@ impl Backend for CudaBackend {
         &self.config
     }
 
+    fn max_states(&self) -> Option<usize> {
+        self.slots.lock().ok().map(|slots| slots.len())
+    }
+
     fn new_state(&self) -> Result<CudaState> {
         let slot = self
             .free
@@ -1148,6 +1176,7 @@ mod tests {
         let opts = CudaOptions {
             max_context: 64,
             max_sequences: 1,
+            spare_sequences: 0,
             use_graphs: true,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
         };
