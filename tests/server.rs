@@ -738,6 +738,11 @@ async fn forced_tool_choice_makes_the_model_call() {
                    "response_format": {"type": "json_object"}}),
         ),
         (named.clone(), json!({"logit_bias": {"260": 100}})),
+        (
+            json!("required"),
+            json!({"chat_template_kwargs": {"enable_thinking": false},
+                   "parallel_tool_calls": false}),
+        ),
     ] {
         for seed in 0..3 {
             let mut body = chat(
@@ -754,6 +759,9 @@ async fn forced_tool_choice_makes_the_model_call() {
             assert_eq!(choice0["finish_reason"], "tool_calls", "{v}");
             let calls = choice0["message"]["tool_calls"].as_array().unwrap();
             assert!(!calls.is_empty(), "{v}");
+            if extra["parallel_tool_calls"] == false {
+                assert_eq!(calls.len(), 1, "{v}");
+            }
             for call in calls {
                 let name = call["function"]["name"].as_str().unwrap();
                 let args: Value =

@@ -132,8 +132,9 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
         .or_insert(Value::Bool(true));
     let (template, encoder) = (template.clone(), tokenizer.clone());
     let grammar_app = app.clone();
-    let forced_grammar =
-        forced_call.map(|only| forced_calls_grammar(&tools, only.as_deref(), &json_style()));
+    let parallel = chat.parallel_tool_calls.unwrap_or(true);
+    let forced_grammar = forced_call
+        .map(|only| forced_calls_grammar(&tools, only.as_deref(), parallel, &json_style()));
     let (prompt_text, prompt, constraint) = off_the_workers(move || {
         let text = template
             .render(&Value::Object(context))

@@ -61,6 +61,8 @@ pub struct ChatFields {
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<Tool>>,
     pub tool_choice: Option<ToolChoice>,
+    /// False: a forced (`required`) reply makes one call. `auto` replies are not held to it.
+    pub parallel_tool_calls: Option<bool>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub response_format: Option<ResponseFormat>,
 }

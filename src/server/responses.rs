@@ -48,9 +48,10 @@ pub async fn responses(
 }
 
 /// Request fields that pass to the chat request as they are (lily's sampling extensions too).
-const SHARED_FIELDS: [&str; 11] = [
+const SHARED_FIELDS: [&str; 12] = [
     "model",
     "stream",
+    "parallel_tool_calls",
     "temperature",
     "top_p",
     "top_k",

@@ -354,12 +354,17 @@ fn integral_float(text: &str) -> Option<Value> {
 }
 
 /// A grammar (llguidance's Lark syntax) for a reply that is only tool calls in the XML form:
-/// for `tool_choice: "required"` one or more calls to any of `tools`, for a named function
-/// (`only`) one call to it. A call lists its parameters in the schema's order, the required ones
+/// for `tool_choice: "required"` one or more calls to any of `tools` (one if not `parallel`),
+/// for a named function (`only`) one call to it. A call lists its parameters in the schema's order, the required ones
 /// always. A value the parser keeps as text (a string, or a parameter without a schema) is
 /// free text up to `</parameter>`, or one of its `enum` strings; any other is JSON of its schema,
 /// written as structured output writes it.
-pub fn forced_calls_grammar(tools: &[Tool], only: Option<&str>, json_style: &Value) -> String {
+pub fn forced_calls_grammar(
+    tools: &[Tool],
+    only: Option<&str>,
+    parallel: bool,
+    json_style: &Value,
+) -> String {
     let literal = |text: &str| serde_json::to_string(text).expect("a string is JSON");
     let end = literal("\n</parameter>\n");
     let mut rules = vec![format!(r#"text[suffix={end}]: /(?s:.*)/"#)];
@@ -413,7 +418,7 @@ pub fn forced_calls_grammar(tools: &[Tool], only: Option<&str>, json_style: &Val
         calls.push(format!("call{i}"));
     }
     let call = calls.join(" | ");
-    let start = if only.is_some() {
+    let start = if only.is_some() || !parallel {
         format!("start: /\\n{{1,2}}/? ({call})")
     } else {
         format!(r#"start: /\n{{1,2}}/? ({call}) ("\n" ({call}))*"#)
@@ -621,8 +626,9 @@ mod tests {
             .unwrap(),
         );
         let style = crate::engine::constraint::json_style();
-        let required = forced_calls_grammar(&tools, None, &style);
-        let named = forced_calls_grammar(&tools, Some("get_weather"), &style);
+        let required = forced_calls_grammar(&tools, None, true, &style);
+        let named = forced_calls_grammar(&tools, Some("get_weather"), true, &style);
+        let one = forced_calls_grammar(&tools, None, false, &style);
         let call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, \"France\"\n\
                     </parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=ratio>\nnull\n\
                     </parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n<parameter=unit>\n\
@@ -649,6 +655,8 @@ mod tests {
         }
         assert!(grammar_allows(&required, now));
         assert!(grammar_allows(&required, &format!("{call}\n{now}")));
+        assert!(grammar_allows(&one, now) && grammar_allows(&one, call));
+        assert!(!grammar_allows(&one, &format!("{call}\n{now}")));
         assert!(!grammar_allows(&named, now));
         assert!(!grammar_allows(&named, &format!("{call}\n{call}")));
         // What the grammar allows, the parser reads back with the schema's types.
