@@ -682,6 +682,15 @@ async fn structured_output_follows_the_json_schema() {
         assert!(follows_colour_schema(content), "{content:?}");
     }
 
+    // A raw completion too (its text may start with the newlines the grammar allows).
+    let completion = json!({"prompt": "Pick a colour: ", "response_format": format,
+                            "max_tokens": 64, "temperature": 0});
+    let (status, v) = post(&server, "/v1/completions", completion).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(follows_colour_schema(text.trim_start()), "{text:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+
     // `json_object`: the closing brace favoured, so the object ends at once.
     let object = chat(
         "Reply in JSON.",

@@ -196,7 +196,7 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
 
 /// The schema `response_format` holds the reply to: `Some(schema)` structured output,
 /// `Some(None)` any JSON object, `None` free text.
-fn json_schema_of(format: Option<ResponseFormat>) -> Result<Option<Option<Value>>, ApiError> {
+pub fn json_schema_of(format: Option<ResponseFormat>) -> Result<Option<Option<Value>>, ApiError> {
     Ok(match format {
         None => None,
         Some(format) => match (format.kind.as_str(), format.json_schema) {

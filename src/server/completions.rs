@@ -8,6 +8,7 @@ use axum::extract::State;
 use axum::response::Response;
 use serde_json::{Map, Value};
 
+use super::chat::json_schema_of;
 use super::chat::token_text;
 use super::errors::{ApiError, JsonObject, fields};
 use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events, off_the_workers};
@@ -56,6 +57,27 @@ pub async fn completions(
             "`echo` together with `logprobs` is not supported.",
         ));
     }
+    let json_schema = json_schema_of(fields.response_format)?;
+    let constraint = match json_schema {
+        None => None,
+        Some(schema) => {
+            let grammar_app = app.clone();
+            Some(
+                off_the_workers(move || {
+                    let grammars = grammar_app
+                        .grammars()
+                        .map_err(|e| ApiError::invalid("response_format", e))?;
+                    grammars.json(schema.as_ref()).map_err(|e| {
+                        ApiError::invalid(
+                            "response_format",
+                            format!("The schema cannot be used: {e:#}"),
+                        )
+                    })
+                })
+                .await?,
+            )
+        }
+    };
     let tokenizer = app.model.tokenizer.clone();
     let (prompt, prompt_text) = match fields.prompt {
         Prompt::Text(text) => text_prompt(tokenizer.clone(), text).await?,
@@ -77,7 +99,7 @@ pub async fn completions(
     let budget = plan.token_budget(prompt.len(), "prompt", &app)?;
     // No cache points: a raw prompt has no known place where later ones diverge, and each point
     // splits the prefill. A finished completion still leaves its state for a continuation.
-    let receivers = plan.submit(&app, &prompt, &[], budget, logprobs, None)?;
+    let receivers = plan.submit(&app, &prompt, &[], budget, logprobs, constraint.as_ref())?;
     let reply = Reply {
         id: format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
         created: unix_now(),

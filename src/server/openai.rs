@@ -159,6 +159,8 @@ pub struct CompletionFields {
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub best_of: Option<i64>,
+    /// Structured output, as on chat (vLLM takes it here too).
+    pub response_format: Option<ResponseFormat>,
 }
 
 /// `prompt`: text, token ids, or a one-element batch of either.

@@ -82,7 +82,7 @@ KINDS = {
     },
     COMPLETIONS: COMMON_KINDS | {
         "prompt": {"str", "list"}, "logprobs": {"int"}, "echo": {"bool"}, "suffix": {"str"},
-        "best_of": {"int"},
+        "best_of": {"int"}, "response_format": {"object"},
     },
 }
 # Values of each kind that a mutation puts in place of a field's value.
