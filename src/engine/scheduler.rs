@@ -51,8 +51,8 @@ pub struct EngineOptions {
 pub struct GenerationRequest {
     pub prompt: Vec<u32>,
     /// Prompt lengths at which to keep a copy of the state in the prefix cache, for later
-    /// prompts that share those tokens (chat: where the last message starts). Lengths under
-    /// [`MIN_CACHED_PREFIX`] or not inside the prompt are ignored.
+    /// prompts that share those tokens (chat: where its second and last messages start).
+    /// Lengths under [`MIN_CACHED_PREFIX`] or not inside the prompt are ignored.
     pub cache_points: Vec<usize>,
     pub params: GenerationParams,
     /// `Some(k)`: report each chosen token's log-probability and the `k` most likely tokens.
@@ -469,7 +469,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         metrics.running.store(self.running.len(), Ordering::Release);
     }
 
-    fn start(&mut self, submission: Submission) -> Result<Sequence<'a, B::State>> {
+    fn start(&self, submission: Submission) -> Result<Sequence<'a, B::State>> {
         let Submission {
             request,
             events,
