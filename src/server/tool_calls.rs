@@ -355,10 +355,10 @@ fn integral_float(text: &str) -> Option<Value> {
 
 /// A grammar (llguidance's Lark syntax) for a reply that is only tool calls in the XML form:
 /// for `tool_choice: "required"` one or more calls to any of `tools` (one if not `parallel`),
-/// for a named function (`only`) one call to it. A call lists its parameters in the schema's order, the required ones
-/// always. A value the parser keeps as text (a string, or a parameter without a schema) is
-/// free text up to `</parameter>`, or one of its `enum` strings; any other is JSON of its schema,
-/// written as structured output writes it.
+/// for a named function (`only`) one call to it. A call lists its parameters in the schema's
+/// order, the required ones always. A value the parser keeps as text (a string, or a parameter
+/// without a schema) is free text up to `</parameter>`, or one of its `enum` strings; any other
+/// is JSON of its schema, written as structured output writes it.
 pub fn forced_calls_grammar(
     tools: &[Tool],
     only: Option<&str>,
