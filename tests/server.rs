@@ -326,6 +326,37 @@ async fn thinking_disabled_replies_in_content() {
     assert_eq!((r.as_str(), c.as_str()), ("", content));
 }
 
+/// `reasoning_effort: "none"` turns thinking off as `enable_thinking: false` does; other efforts
+/// leave it on; an unknown one is refused.
+#[tokio::test]
+async fn reasoning_effort_none_turns_thinking_off() {
+    let server = demo();
+    let kwargs = json!({"chat_template_kwargs": {"enable_thinking": false}});
+    let (_, off) = post(&server, "/v1/chat/completions", chat("Hello", kwargs)).await;
+    let (_, none) = post(
+        &server,
+        "/v1/chat/completions",
+        chat("Hello", json!({"reasoning_effort": "none"})),
+    )
+    .await;
+    assert_eq!(none["choices"][0]["message"], off["choices"][0]["message"]);
+    let (_, high) = post(
+        &server,
+        "/v1/chat/completions",
+        chat("Hello", json!({"reasoning_effort": "high"})),
+    )
+    .await;
+    assert!(high["choices"][0]["message"]["reasoning_content"].is_string());
+    let (status, v) = post(
+        &server,
+        "/v1/chat/completions",
+        chat("Hello", json!({"reasoning_effort": "extreme"})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error_of(&v).1, Some("reasoning_effort"));
+}
+
 #[tokio::test]
 async fn completions_from_text_and_from_ids() {
     let server = demo();

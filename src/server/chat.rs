@@ -120,6 +120,23 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
     };
 
     let mut context = chat.chat_template_kwargs.unwrap_or_default();
+    match chat.reasoning_effort.as_deref() {
+        None | Some("minimal" | "low" | "medium" | "high" | "xhigh") => {}
+        Some("none") => {
+            context
+                .entry("enable_thinking")
+                .or_insert(Value::Bool(false));
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "reasoning_effort",
+                format!(
+                    "`reasoning_effort` \"{other}\" is not one of \"none\", \"minimal\", \"low\", \
+                     \"medium\", \"high\", \"xhigh\"."
+                ),
+            ));
+        }
+    }
     context.insert("messages".into(), template_messages(chat.messages)?);
     if !tools.is_empty() {
         context.insert("tools".into(), body["tools"].clone());

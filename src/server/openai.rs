@@ -65,6 +65,8 @@ pub struct ChatFields {
     pub parallel_tool_calls: Option<bool>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub response_format: Option<ResponseFormat>,
+    /// `none` turns Qwen's thinking off; the other efforts leave it on.
+    pub reasoning_effort: Option<String>,
 }
 
 /// A message of the conversation.

@@ -99,16 +99,11 @@ fn chat_request(body: &Value) -> Result<Value, ApiError> {
     if let Some(format) = body.get("text").and_then(|t| t.get("format")) {
         chat.insert("response_format".into(), response_format(format)?);
     }
-    // Qwen thinks or not; an effort of "none" turns thinking off, any other leaves it on.
-    if body["reasoning"]["effort"] == "none" {
-        let kwargs = chat
-            .entry("chat_template_kwargs")
-            .or_insert_with(|| json!({}));
-        if let Some(kwargs) = kwargs.as_object_mut() {
-            kwargs
-                .entry("enable_thinking")
-                .or_insert(Value::Bool(false));
-        }
+    // Qwen thinks or not: chat reads an effort of "none" as thinking off.
+    if let Some(effort) = body.get("reasoning").and_then(|r| r.get("effort"))
+        && !effort.is_null()
+    {
+        chat.insert("reasoning_effort".into(), effort.clone());
     }
     Ok(Value::Object(chat))
 }
@@ -344,6 +339,7 @@ fn responses_param(mut e: ApiError) -> ApiError {
         Some(p) if p.starts_with("messages") => Some("input"),
         Some("max_completion_tokens") => Some("max_output_tokens"),
         Some(p) if p.starts_with("response_format") => Some("text.format"),
+        Some("reasoning_effort") => Some("reasoning.effort"),
         _ => None,
     };
     if let Some(name) = renamed {
@@ -732,7 +728,7 @@ mod tests {
             json!({"type": "function", "function": {"name": "get_weather"}})
         );
         assert_eq!(chat["response_format"]["type"], "json_schema");
-        assert_eq!(chat["chat_template_kwargs"]["enable_thinking"], false);
+        assert_eq!(chat["reasoning_effort"], "none");
     }
 
     #[test]
