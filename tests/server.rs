@@ -1024,6 +1024,64 @@ async fn a_disconnected_stream_is_cancelled_and_others_continue() {
     );
 }
 
+/// A Responses stream opens with `response.created` at once, while the request still waits for
+/// a sequence slot (the only one is taken by a long stream).
+#[tokio::test]
+async fn a_queued_responses_stream_opens_at_once() {
+    let server = start(
+        None,
+        Limits {
+            max_batch: 1,
+            ..Limits::default()
+        },
+        None,
+    );
+    let long = json!({"prompt": "forever", "max_tokens": 4000, "temperature": 0, "stream": true,
+                      "logit_bias": no_eos()});
+    let hog = server
+        .router
+        .clone()
+        .oneshot(post_request("/v1/completions", long.to_string()))
+        .await
+        .unwrap();
+    wait_until(&server, "the long stream runs", |app| {
+        app.engine.metrics().running.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    let queued = json!({"input": "hi", "stream": true, "max_output_tokens": 4});
+    let response = server
+        .router
+        .clone()
+        .oneshot(post_request("/v1/responses", queued.to_string()))
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    let frame = tokio::time::timeout(PATIENCE, body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
+    assert!(
+        first.contains("event: response.created\n")
+            && first.contains("\"type\":\"response.created\""),
+        "{first:?}"
+    );
+    // Still queued: the slot is the long stream's.
+    assert_eq!(
+        server.app.engine.metrics().waiting.load(Ordering::Relaxed),
+        1
+    );
+    drop(hog);
+    let rest = tokio::time::timeout(PATIENCE, body.collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    let rest = String::from_utf8_lossy(&rest).into_owned();
+    assert!(rest.contains("event: response.incomplete"), "{rest}");
+}
+
 /// A non-streaming client that goes away (its request future dropped, as hyper does on a
 /// disconnect) cancels its sequence too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

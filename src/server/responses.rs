@@ -632,6 +632,11 @@ fn output_text(text: &str) -> Value {
 }
 
 impl ChunkWriter for ResponseReply {
+    fn on_start(&mut self) -> Vec<SseChunk> {
+        self.start_if_first();
+        std::mem::take(&mut self.events)
+    }
+
     fn on_event(&mut self, _: usize, event: Event) -> Result<Vec<SseChunk>, ApiError> {
         self.apply(event)?;
         Ok(std::mem::take(&mut self.events))

@@ -38,6 +38,10 @@ impl From<String> for SseChunk {
 
 /// Writes an endpoint's chunks for the events of a stream.
 pub trait ChunkWriter: Send + 'static {
+    /// Chunks sent at once, before the engine's first event (which waits for the prefill).
+    fn on_start(&mut self) -> Vec<SseChunk> {
+        Vec::new()
+    }
     /// Chunks for one event of choice `index`; an error ends the stream with
     /// [`ChunkWriter::on_error`]'s chunks.
     fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<SseChunk>, ApiError>;
@@ -88,8 +92,9 @@ pub fn chunk(value: &impl Serialize) -> String {
 /// The SSE response for `events`, with chunks from `writer`.
 pub fn sse_response<W: ChunkWriter>(
     events: BoxStream<'static, (usize, Event)>,
-    writer: W,
+    mut writer: W,
 ) -> Response {
+    let opening = writer.on_start();
     let chunks = stream::unfold(Some((events, writer)), |state| async move {
         let (mut events, mut writer) = state?;
         let done = || SseChunk::from("[DONE]".to_owned());
@@ -113,16 +118,18 @@ pub fn sse_response<W: ChunkWriter>(
             }
         };
         Some((data, next))
-    })
-    .flat_map(|data| {
-        stream::iter(data.into_iter().map(|c| {
-            let event = SseEvent::default().data(c.data);
-            Ok::<_, Infallible>(match c.event {
-                Some(name) => event.event(name),
-                None => event,
-            })
-        }))
     });
+    let chunks = stream::once(async move { opening })
+        .chain(chunks)
+        .flat_map(|data| {
+            stream::iter(data.into_iter().map(|c| {
+                let event = SseEvent::default().data(c.data);
+                Ok::<_, Infallible>(match c.event {
+                    Some(name) => event.event(name),
+                    None => event,
+                })
+            }))
+        });
     Sse::new(chunks)
         .keep_alive(KeepAlive::default())
         .into_response()
