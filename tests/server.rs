@@ -1024,10 +1024,11 @@ async fn a_disconnected_stream_is_cancelled_and_others_continue() {
     );
 }
 
-/// A Responses stream opens with `response.created` at once, while the request still waits for
-/// a sequence slot (the only one is taken by a long stream).
+/// Streams open at once, while their requests still wait for a sequence slot (the only one is
+/// taken by a long stream): a Responses stream with `response.created`, a chat stream with the
+/// role chunk.
 #[tokio::test]
-async fn a_queued_responses_stream_opens_at_once() {
+async fn queued_streams_open_at_once() {
     let server = start(
         None,
         Limits {
@@ -1067,12 +1068,31 @@ async fn a_queued_responses_stream_opens_at_once() {
             && first.contains("\"type\":\"response.created\""),
         "{first:?}"
     );
-    // Still queued: the slot is the long stream's.
+    let chat_stream = chat("hi", json!({"stream": true, "max_tokens": 4}));
+    let response = server
+        .router
+        .clone()
+        .oneshot(post_request(
+            "/v1/chat/completions",
+            chat_stream.to_string(),
+        ))
+        .await
+        .unwrap();
+    let mut chat_body = response.into_body();
+    let frame = tokio::time::timeout(PATIENCE, chat_body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
+    assert!(first.contains("\"role\":\"assistant\""), "{first:?}");
+    // Both still queued: the slot is the long stream's.
     assert_eq!(
         server.app.engine.metrics().waiting.load(Ordering::Relaxed),
-        1
+        2
     );
     drop(hog);
+    drop(chat_body);
     let rest = tokio::time::timeout(PATIENCE, body.collect())
         .await
         .unwrap()

@@ -684,30 +684,36 @@ impl stream::Reply for Reply {
 }
 
 impl ChunkWriter for Reply {
+    /// The first chunk of each choice, with the role (and the prompt ids, if asked for), goes
+    /// out at once, before the prefill.
+    fn on_start(&mut self) -> Vec<SseChunk> {
+        (0..self.choices.len())
+            .map(|index| {
+                let delta = AssistantMessage {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                    ..Default::default()
+                };
+                let mut c = self.chunk_for(index, delta, None);
+                c.prompt_token_ids = self.prompt_ids.clone();
+                chunk(&c).into()
+            })
+            .collect()
+    }
+
     fn on_event(&mut self, index: usize, event: Event) -> Result<Vec<SseChunk>, ApiError> {
-        let first =
-            self.choices[index].token_ids.is_empty() && self.choices[index].finish.is_none();
-        let mut out = Vec::new();
-        if first {
-            // The first chunk of a choice carries the role (and the prompt ids, if asked for).
-            let delta = AssistantMessage {
-                role: Some("assistant"),
-                content: Some(String::new()),
-                ..Default::default()
-            };
-            let mut c = self.chunk_for(index, delta, None);
-            c.prompt_token_ids = self.prompt_ids.clone();
-            out.push(chunk(&c).into());
-        }
         let mut step = self.step(index, event)?;
         let delta = std::mem::take(&mut step.delta);
         let empty = delta.content.is_none()
             && delta.reasoning_content.is_none()
             && delta.tool_calls.is_empty();
         if !empty || step.logprobs.is_some() || step.finish.is_some() || self.return_token_ids {
-            out.push(chunk(&self.chunk_for(index, delta, Some(step))).into());
+            Ok(vec![
+                chunk(&self.chunk_for(index, delta, Some(step))).into(),
+            ])
+        } else {
+            Ok(Vec::new())
         }
-        Ok(out)
     }
 
     fn on_end(&mut self) -> Vec<SseChunk> {
