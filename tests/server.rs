@@ -1024,6 +1024,24 @@ async fn a_disconnected_stream_is_cancelled_and_others_continue() {
     );
 }
 
+/// Sends a streaming request and reads its first frame: the body, to read on, and that frame.
+async fn open_stream(server: &Server, path: &str, body: &Value) -> (Body, String) {
+    let response = server
+        .router
+        .clone()
+        .oneshot(post_request(path, body.to_string()))
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    let frame = tokio::time::timeout(PATIENCE, body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
+    (body, first)
+}
+
 /// Streams open at once, while their requests still wait for a sequence slot (the only one is
 /// taken by a long stream): a Responses stream with `response.created`, a chat stream with the
 /// role chunk.
@@ -1050,41 +1068,14 @@ async fn queued_streams_open_at_once() {
     })
     .await;
     let queued = json!({"input": "hi", "stream": true, "max_output_tokens": 4});
-    let response = server
-        .router
-        .clone()
-        .oneshot(post_request("/v1/responses", queued.to_string()))
-        .await
-        .unwrap();
-    let mut body = response.into_body();
-    let frame = tokio::time::timeout(PATIENCE, body.frame())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
+    let (body, first) = open_stream(&server, "/v1/responses", &queued).await;
     assert!(
         first.contains("event: response.created\n")
             && first.contains("\"type\":\"response.created\""),
         "{first:?}"
     );
     let chat_stream = chat("hi", json!({"stream": true, "max_tokens": 4}));
-    let response = server
-        .router
-        .clone()
-        .oneshot(post_request(
-            "/v1/chat/completions",
-            chat_stream.to_string(),
-        ))
-        .await
-        .unwrap();
-    let mut chat_body = response.into_body();
-    let frame = tokio::time::timeout(PATIENCE, chat_body.frame())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    let first = String::from_utf8_lossy(frame.data_ref().unwrap()).into_owned();
+    let (chat_body, first) = open_stream(&server, "/v1/chat/completions", &chat_stream).await;
     assert!(first.contains("\"role\":\"assistant\""), "{first:?}");
     // Both still queued: the slot is the long stream's.
     assert_eq!(

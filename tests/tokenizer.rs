@@ -277,13 +277,18 @@ struct Case {
     decoded: String,
 }
 
+/// The directory `tests/python/test_tokenizer.py` generates the real vocabulary's files in.
+fn qwen_tokenizer_dir() -> PathBuf {
+    PathBuf::from(
+        std::env::var_os("LILY_QWEN_TOKENIZER_DIR")
+            .expect("LILY_QWEN_TOKENIZER_DIR must name the directory the Python test generates"),
+    )
+}
+
 #[test]
 #[ignore = "needs the generated Qwen tokenizer: run through tests/python/test_tokenizer.py"]
 fn real_vocabulary_decode_round_trip() {
-    let dir = PathBuf::from(
-        std::env::var_os("LILY_QWEN_TOKENIZER_DIR")
-            .expect("LILY_QWEN_TOKENIZER_DIR must name the directory the Python test generates"),
-    );
+    let dir = qwen_tokenizer_dir();
     let tokenizer = Tokenizer::from_model_dir(&dir).unwrap();
     let corpus: Vec<Case> =
         serde_json::from_str(&std::fs::read_to_string(dir.join("corpus.json")).unwrap()).unwrap();
@@ -321,10 +326,7 @@ fn real_vocabulary_structured_output() {
     use lily::engine::constraint::Grammars;
     use std::sync::Arc;
 
-    let dir = PathBuf::from(
-        std::env::var_os("LILY_QWEN_TOKENIZER_DIR")
-            .expect("LILY_QWEN_TOKENIZER_DIR must name the directory the Python test generates"),
-    );
+    let dir = qwen_tokenizer_dir();
     let tokenizer = Arc::new(Tokenizer::from_model_dir(&dir).unwrap());
     let im_end = tokenizer.token_id("<|im_end|>").unwrap();
     let think_end = tokenizer.token_id("</think>").unwrap();

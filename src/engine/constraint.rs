@@ -183,24 +183,26 @@ impl TokenizerEnv for TrieEnv {
     }
 }
 
+/// Whether the tokens of `text` and then `<|im_end|>` are each allowed in turn (for tests of
+/// grammars).
+#[cfg(test)]
+pub(crate) fn allows(constraint: &mut Constraint, tokenizer: &Tokenizer, text: &str) -> bool {
+    let im_end = tokenizer.token_id("<|im_end|>").unwrap();
+    let mut logits = vec![0.0f32; tokenizer.vocab_size()];
+    for id in tokenizer.encode(text).unwrap().into_iter().chain([im_end]) {
+        logits.fill(0.0);
+        constraint.mask(&mut logits).unwrap();
+        if !logits[id as usize].is_finite() {
+            return false;
+        }
+        constraint.advance(id).unwrap();
+    }
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Whether the tokens of `text` and then `<|im_end|>` are each allowed in turn.
-    fn allows(constraint: &mut Constraint, tokenizer: &Tokenizer, text: &str) -> bool {
-        let im_end = tokenizer.token_id("<|im_end|>").unwrap();
-        let mut logits = vec![0.0f32; tokenizer.vocab_size()];
-        for id in tokenizer.encode(text).unwrap().into_iter().chain([im_end]) {
-            logits.fill(0.0);
-            constraint.mask(&mut logits).unwrap();
-            if !logits[id as usize].is_finite() {
-                return false;
-            }
-            constraint.advance(id).unwrap();
-        }
-        true
-    }
 
     #[test]
     fn json_replies_are_compact_and_may_follow_two_newlines() {

@@ -670,10 +670,11 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             .into_iter()
             .partition(|s| s.done);
         self.running = running;
-        for s in done {
+        let keep = self.cache.is_enabled();
+        for s in done.into_iter().filter(|s| keep && s.finished) {
             let mut fed = s.prompt;
             fed.extend_from_slice(&s.output.ids[..s.output.ids.len().saturating_sub(1)]);
-            if s.finished && fed.len() >= MIN_CACHED_PREFIX && !self.cache.contains(&fed) {
+            if fed.len() >= MIN_CACHED_PREFIX && !self.cache.contains(&fed) {
                 self.cache.insert(fed, s.state);
             }
         }

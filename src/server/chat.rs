@@ -13,7 +13,9 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::errors::{ApiError, JsonObject, fields};
-use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events, off_the_workers};
+use super::generation::{
+    MAX_TOP_LOGPROBS, Plan, Shape, log_answered, merged_events, off_the_workers,
+};
 use super::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatFields, ChatLogprobs, ChatMessage,
     ChatTokenLogprob, ChatTopLogprob, CommonFields, FunctionCallOut, MessageContent, ReplyMessage,
@@ -160,24 +162,15 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
             .encode(&text)
             .map_err(|e| ApiError::invalid("messages", format!("{e:#}")))?;
         // A forced call leaves no content for `response_format` to shape (as OpenAI's API has it).
-        let shaped = match (forced_grammar, json_schema) {
-            (Some(grammar), _) => Some(("tool_choice", Shape::Calls(grammar))),
-            (None, Some(schema)) => Some(("response_format", Shape::Json(schema))),
+        let shape = match (forced_grammar, json_schema) {
+            (Some(grammar), _) => Some(Shape::Calls(grammar)),
+            (None, Some(schema)) => Some(Shape::Json(schema)),
             (None, None) => None,
         };
-        let constraint = match shaped {
+        let constraint = match shape {
             None => None,
-            Some((param, shape)) => {
-                let grammars = grammar_app
-                    .grammars()
-                    .map_err(|e| ApiError::invalid(param, e))?;
-                let constraint = match shape {
-                    Shape::Json(schema) => grammars.json(schema.as_ref()),
-                    Shape::Calls(grammar) => grammars.lark(&grammar),
-                }
-                .map_err(|e| {
-                    ApiError::invalid(param, format!("The schema cannot be used: {e:#}"))
-                })?;
+            Some(shape) => {
+                let constraint = shape.constraint(&grammar_app)?;
                 // With the thought open the grammar starts where it closes.
                 Some(if opens_thought(&text) {
                     constraint.after_thought()
@@ -281,14 +274,6 @@ fn forced_call_of(
         }
     }
     Ok(forced)
-}
-
-/// What a constraint holds the reply to.
-enum Shape {
-    /// A JSON value of this schema (any JSON object without one).
-    Json(Option<Value>),
-    /// Only tool calls, by this grammar.
-    Calls(String),
 }
 
 /// Whether the prompt leaves a thought open for the reply (Qwen's template with thinking on).
@@ -419,14 +404,22 @@ pub struct ChoiceOutput {
 
 impl ChoiceOutput {
     pub fn new(queued: &QueuedChat) -> Self {
+        Self::sorting(
+            queued.opens_thought,
+            queued.parse_tool_calls.then(|| queued.tools.clone()),
+            queued.logprobs,
+        )
+    }
+
+    /// A reply that starts inside a thought if `opens_thought`, with tool calls parsed when
+    /// `tools` are given, and logprobs kept when asked for.
+    pub fn sorting(opens_thought: bool, tools: Option<Vec<Tool>>, logprobs: Option<usize>) -> Self {
         Self {
-            splitter: ReasoningSplitter::new(queued.opens_thought),
-            tool_parser: queued
-                .parse_tool_calls
-                .then(|| ToolCallParser::new(queued.tools.clone())),
+            splitter: ReasoningSplitter::new(opens_thought),
+            tool_parser: tools.map(ToolCallParser::new),
             tool_calls: 0,
             message: AssistantMessage::default(),
-            logprobs: queued.logprobs.map(|_| ChatLogprobs::default()),
+            logprobs: logprobs.map(|_| ChatLogprobs::default()),
             token_ids: Vec::new(),
             finish: None,
             completion_tokens: 0,

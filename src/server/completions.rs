@@ -11,7 +11,9 @@ use serde_json::{Map, Value};
 use super::chat::json_schema_of;
 use super::chat::token_text;
 use super::errors::{ApiError, JsonObject, fields};
-use super::generation::{MAX_TOP_LOGPROBS, Plan, log_answered, merged_events, off_the_workers};
+use super::generation::{
+    MAX_TOP_LOGPROBS, Plan, Shape, log_answered, merged_events, off_the_workers,
+};
 use super::openai::{
     CommonFields, Completion, CompletionChoice, CompletionFields, CompletionLogprobs, Prompt, Usage,
 };
@@ -57,25 +59,11 @@ pub async fn completions(
             "`echo` together with `logprobs` is not supported.",
         ));
     }
-    let json_schema = json_schema_of(fields.response_format)?;
-    let constraint = match json_schema {
+    let constraint = match json_schema_of(fields.response_format)? {
         None => None,
         Some(schema) => {
             let grammar_app = app.clone();
-            Some(
-                off_the_workers(move || {
-                    let grammars = grammar_app
-                        .grammars()
-                        .map_err(|e| ApiError::invalid("response_format", e))?;
-                    grammars.json(schema.as_ref()).map_err(|e| {
-                        ApiError::invalid(
-                            "response_format",
-                            format!("The schema cannot be used: {e:#}"),
-                        )
-                    })
-                })
-                .await?,
-            )
+            Some(off_the_workers(move || Shape::Json(schema).constraint(&grammar_app)).await?)
         }
     };
     let tokenizer = app.model.tokenizer.clone();

@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use futures_util::stream::{self, BoxStream, StreamExt};
+use serde_json::Value;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::AppState;
@@ -21,6 +22,31 @@ const MAX_CHOICES: usize = 16;
 const MAX_STOP_STRINGS: usize = 16;
 /// The largest `top_logprobs` / `logprobs` count.
 pub const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// What a constraint holds a reply to.
+pub enum Shape {
+    /// A JSON value of this schema (any JSON object without one): `response_format`.
+    Json(Option<Value>),
+    /// Only tool calls, by this grammar: a forced `tool_choice`.
+    Calls(String),
+}
+
+impl Shape {
+    /// The constraint, compiled for the served tokenizer (blocking: the first one builds the
+    /// tokenizer's trie). Errors name the request field the shape came from.
+    pub fn constraint(self, app: &AppState) -> Result<Constraint, ApiError> {
+        let param = match self {
+            Shape::Json(_) => "response_format",
+            Shape::Calls(_) => "tool_choice",
+        };
+        let grammars = app.grammars().map_err(|e| ApiError::invalid(param, e))?;
+        match self {
+            Shape::Json(schema) => grammars.json(schema.as_ref()),
+            Shape::Calls(grammar) => grammars.lark(&grammar),
+        }
+        .map_err(|e| ApiError::invalid(param, format!("The schema cannot be used: {e:#}")))
+    }
+}
 
 /// Runs request work that can take seconds (rendering a long conversation, tokenising a prompt
 /// of megabytes) on tokio's blocking threads, so that the async workers keep answering other

@@ -372,9 +372,68 @@ fn echoed_fields(body: &Value) -> Map<String, Value> {
 }
 
 /// The output item being streamed.
-enum OpenItem {
-    Reasoning { id: String, text: String },
-    Message { id: String, text: String },
+struct OpenItem {
+    kind: TextItem,
+    id: String,
+    text: String,
+}
+
+/// The output items streamed as text: the thought and the message.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TextItem {
+    Reasoning,
+    Message,
+}
+
+impl TextItem {
+    fn id_prefix(self) -> &'static str {
+        match self {
+            TextItem::Reasoning => "rs",
+            TextItem::Message => "msg",
+        }
+    }
+
+    /// The item with `text` as its content; `None`: just opened, no content part yet.
+    fn item(self, id: &str, text: Option<&str>) -> Value {
+        match self {
+            TextItem::Reasoning => {
+                let content: Vec<Value> = text
+                    .map(|t| json!({"type": "reasoning_text", "text": t}))
+                    .into_iter()
+                    .collect();
+                json!({"id": id, "type": "reasoning", "summary": [], "content": content})
+            }
+            TextItem::Message => {
+                let content: Vec<Value> = text.map(output_text).into_iter().collect();
+                let status = if text.is_some() {
+                    "completed"
+                } else {
+                    "in_progress"
+                };
+                json!({"id": id, "type": "message", "status": status, "role": "assistant",
+                       "content": content})
+            }
+        }
+    }
+
+    /// The events of its text's deltas and of its end: `response.<name>.delta` / `.done`.
+    fn text_event(self, done: bool) -> &'static str {
+        match (self, done) {
+            (TextItem::Reasoning, false) => "response.reasoning_text.delta",
+            (TextItem::Reasoning, true) => "response.reasoning_text.done",
+            (TextItem::Message, false) => "response.output_text.delta",
+            (TextItem::Message, true) => "response.output_text.done",
+        }
+    }
+
+    /// Fields of its text events beside the text: output text carries (empty) logprobs.
+    fn text_fields(self, id: &str, index: usize) -> Value {
+        let mut fields = json!({"item_id": id, "output_index": index, "content_index": 0});
+        if self == TextItem::Message {
+            fields["logprobs"] = json!([]);
+        }
+        fields
+    }
 }
 
 /// A response being assembled from the engine's events of its one choice. The same events are
@@ -461,9 +520,10 @@ impl ResponseReply {
                 // A token whose text is held back belongs to the item being written.
                 let thinking = match (&delta.reasoning_content, &delta.content) {
                     (Some(_), None) => true,
-                    (None, None) if delta.tool_calls.is_empty() => {
-                        matches!(self.open, Some(OpenItem::Reasoning { .. }))
-                    }
+                    (None, None) if delta.tool_calls.is_empty() => self
+                        .open
+                        .as_ref()
+                        .is_some_and(|o| o.kind == TextItem::Reasoning),
                     _ => false,
                 };
                 self.reasoning_tokens += usize::from(thinking);
@@ -501,55 +561,10 @@ impl ResponseReply {
 
     fn apply_delta(&mut self, delta: AssistantMessage) {
         if let Some(text) = delta.reasoning_content {
-            if !matches!(self.open, Some(OpenItem::Reasoning { .. })) {
-                self.close_open();
-                let id = format!("rs_{}", uuid::Uuid::new_v4().simple());
-                let item = json!({"id": id, "type": "reasoning", "summary": [], "content": []});
-                self.emit(
-                    "response.output_item.added",
-                    json!({"output_index": self.output.len(), "item": item}),
-                );
-                self.open = Some(OpenItem::Reasoning {
-                    id,
-                    text: String::new(),
-                });
-            }
-            let index = self.output.len();
-            if let Some(OpenItem::Reasoning { id, text: all }) = &mut self.open {
-                all.push_str(&text);
-                let fields = json!({"item_id": id, "output_index": index, "content_index": 0,
-                                    "delta": text});
-                self.emit("response.reasoning_text.delta", fields);
-            }
+            self.push_text(TextItem::Reasoning, text);
         }
         if let Some(text) = delta.content {
-            if !matches!(self.open, Some(OpenItem::Message { .. })) {
-                self.close_open();
-                let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
-                let index = self.output.len();
-                let item = json!({"id": id, "type": "message", "status": "in_progress",
-                                  "role": "assistant", "content": []});
-                self.emit(
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": item}),
-                );
-                self.emit(
-                    "response.content_part.added",
-                    json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "part": output_text("")}),
-                );
-                self.open = Some(OpenItem::Message {
-                    id,
-                    text: String::new(),
-                });
-            }
-            let index = self.output.len();
-            if let Some(OpenItem::Message { id, text: all }) = &mut self.open {
-                all.push_str(&text);
-                let fields = json!({"item_id": id, "output_index": index, "content_index": 0,
-                                    "delta": text, "logprobs": []});
-                self.emit("response.output_text.delta", fields);
-            }
+            self.push_text(TextItem::Message, text);
         }
         for call in delta.tool_calls {
             self.close_open();
@@ -581,35 +596,58 @@ impl ResponseReply {
         }
     }
 
+    /// Adds text to the item of its kind, opening it (and closing any other) first.
+    fn push_text(&mut self, kind: TextItem, text: String) {
+        if self.open.as_ref().map(|o| o.kind) != Some(kind) {
+            self.close_open();
+        }
+        // Closing an item moved it to `output`: the open one's index is what follows.
+        let index = self.output.len();
+        if self.open.is_none() {
+            let id = format!("{}_{}", kind.id_prefix(), uuid::Uuid::new_v4().simple());
+            self.emit(
+                "response.output_item.added",
+                json!({"output_index": index, "item": kind.item(&id, None)}),
+            );
+            if kind == TextItem::Message {
+                self.emit(
+                    "response.content_part.added",
+                    json!({"item_id": id, "output_index": index, "content_index": 0,
+                           "part": output_text("")}),
+                );
+            }
+            self.open = Some(OpenItem {
+                kind,
+                id,
+                text: String::new(),
+            });
+        }
+        let Some(open) = &mut self.open else {
+            return;
+        };
+        open.text.push_str(&text);
+        let mut fields = kind.text_fields(&open.id, index);
+        fields["delta"] = json!(text);
+        self.emit(kind.text_event(false), fields);
+    }
+
     /// Finishes the item being streamed, if any.
     fn close_open(&mut self) {
         let index = self.output.len();
-        let item = match self.open.take() {
-            None => return,
-            Some(OpenItem::Reasoning { id, text }) => {
-                self.emit(
-                    "response.reasoning_text.done",
-                    json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "text": text}),
-                );
-                json!({"id": id, "type": "reasoning", "summary": [],
-                       "content": [{"type": "reasoning_text", "text": text}]})
-            }
-            Some(OpenItem::Message { id, text }) => {
-                self.emit(
-                    "response.output_text.done",
-                    json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "text": text, "logprobs": []}),
-                );
-                self.emit(
-                    "response.content_part.done",
-                    json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "part": output_text(&text)}),
-                );
-                json!({"id": id, "type": "message", "status": "completed", "role": "assistant",
-                       "content": [output_text(&text)]})
-            }
+        let Some(OpenItem { kind, id, text }) = self.open.take() else {
+            return;
         };
+        let mut fields = kind.text_fields(&id, index);
+        fields["text"] = json!(text);
+        self.emit(kind.text_event(true), fields);
+        if kind == TextItem::Message {
+            self.emit(
+                "response.content_part.done",
+                json!({"item_id": id, "output_index": index, "content_index": 0,
+                       "part": output_text(&text)}),
+            );
+        }
+        let item = kind.item(&id, Some(&text));
         self.emit(
             "response.output_item.done",
             json!({"output_index": index, "item": item}),
@@ -734,6 +772,114 @@ mod tests {
         );
         assert_eq!(chat["response_format"]["type"], "json_schema");
         assert_eq!(chat["reasoning_effort"], "none");
+    }
+
+    /// The events a reply makes, each event's JSON.
+    fn streamed(reply: &mut ResponseReply, texts: &[&str]) -> Vec<Value> {
+        let mut chunks = reply.on_start();
+        for (id, text) in texts.iter().enumerate() {
+            let token = Event::Token {
+                id: id as u32,
+                text: (*text).to_owned(),
+                logprobs: None,
+            };
+            chunks.extend(reply.on_event(0, token).unwrap());
+        }
+        let end = Event::Finished {
+            reason: FinishReason::Stop,
+            completion_tokens: texts.len(),
+            cached_tokens: 0,
+        };
+        chunks.extend(reply.on_event(0, end).unwrap());
+        chunks
+            .iter()
+            .map(|c| {
+                let event: Value = serde_json::from_str(&c.data).unwrap();
+                assert_eq!(c.event, event["type"].as_str());
+                event
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_thought_a_message_and_a_call_stream_as_three_items() {
+        let tools =
+            serde_json::from_value(json!([{"type": "function", "function": {"name": "f"}}]))
+                .unwrap();
+        let mut reply = ResponseReply {
+            id: "resp_1".into(),
+            created_at: 0,
+            model: "m".into(),
+            echo: echoed_fields(&json!({})),
+            choice: ChoiceOutput::sorting(true, Some(tools), None),
+            prompt_tokens: 3,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            reasoning_tokens: 0,
+            output: Vec::new(),
+            open: None,
+            events: Vec::new(),
+            sequence: 0,
+            status: None,
+            started: Instant::now(),
+        };
+        let texts = [
+            "Let me ",
+            "think.",
+            "\n</think>",
+            "\n\nHi ",
+            "there.",
+            "\n<tool_call>\n<function=f>\n</function>\n</tool_call>",
+        ];
+        let events = streamed(&mut reply, &texts);
+        let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (i, e) in events.iter().enumerate() {
+            assert_eq!(e["sequence_number"], i);
+        }
+        let index = |from: usize, to: usize| -> Vec<u64> {
+            events[from..to]
+                .iter()
+                .map(|e| e["output_index"].as_u64().unwrap())
+                .collect()
+        };
+        assert_eq!(index(2, 7), [0; 5]);
+        assert_eq!(index(7, 14), [1; 7]);
+        assert_eq!(index(14, 18), [2; 4]);
+        assert_eq!(events[5]["text"], "Let me think.");
+        assert_eq!(events[11]["text"], "Hi there.");
+        let output = &events[18]["response"]["output"];
+        assert_eq!(output[0]["content"][0]["text"], "Let me think.");
+        assert_eq!(output[1]["content"][0]["text"], "Hi there.");
+        assert_eq!(output[1]["status"], "completed");
+        assert_eq!(output[2]["name"], "f");
+        assert_eq!(
+            events[18]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"],
+            3
+        );
     }
 
     #[test]

@@ -593,24 +593,12 @@ mod tests {
     /// Whether `text` is a whole reply the grammar allows: each of its tokens allowed in turn,
     /// then `<|im_end|>`.
     fn grammar_allows(grammar: &str, text: &str) -> bool {
-        use crate::engine::constraint::Grammars;
+        use crate::engine::constraint::{Grammars, allows};
         let demo = crate::model::demo::demo().unwrap();
         let tokenizer = std::sync::Arc::new(demo.tokenizer);
         let im_end = tokenizer.token_id("<|im_end|>").unwrap();
-        let mut constraint = Grammars::new(tokenizer.clone(), im_end)
-            .unwrap()
-            .lark(grammar)
-            .unwrap();
-        let mut logits = vec![0.0f32; tokenizer.vocab_size()];
-        for id in tokenizer.encode(text).unwrap().into_iter().chain([im_end]) {
-            logits.fill(0.0);
-            constraint.mask(&mut logits).unwrap();
-            if !logits[id as usize].is_finite() {
-                return false;
-            }
-            constraint.advance(id).unwrap();
-        }
-        true
+        let grammars = Grammars::new(tokenizer.clone(), im_end).unwrap();
+        allows(&mut grammars.lark(grammar).unwrap(), &tokenizer, text)
     }
 
     #[test]
