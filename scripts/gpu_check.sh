@@ -8,7 +8,10 @@
 #      DeltaNet and flash attention of batched prefill), and on the batched-decode tests;
 #   4. scripts/gpu_side_by_side.py: three lily processes decoding at once on the GPU, each with
 #      the token ids of the same run alone (greedy and sampled);
-#   5. scripts/gpu_transformers_check.py: lily (CPU and CUDA) vs transformers on a full-width
+#   5. scripts/gpu_server_check.py: `lily serve --device cuda` on the demo model with and without
+#      the prefix cache (a cached turn's logprobs, structured output, forced tool calls, the
+#      Responses API, concurrent requests);
+#   6. scripts/gpu_transformers_check.py: lily (CPU and CUDA) vs transformers on a full-width
 #      Qwen3.6-35B-A3B truncated to 4 layers with random weights, and on a wider model of the
 #      same architecture (hidden 4096, top-10 experts of 1024, 64 DeltaNet value heads), whose
 #      4-bit conversion is also run on both backends.
@@ -62,6 +65,7 @@ step sanitizer-batched compute-sanitizer --error-exitcode 1 --tool memcheck \
     "$bin/cuda-tests" --test-threads=1 batched_decode quantized_batches small_batches single_token
 # Several processes on the GPU at once (greedy and sampled): each must match the run alone.
 step side-by-side python3 scripts/gpu_side_by_side.py --lily "$lily" --model "$q4"
+step server python3 scripts/gpu_server_check.py --lily "$lily"
 step transformers python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-trunc
 step transformers-wide python3 scripts/gpu_transformers_check.py --lily "$lily" --work /tmp/lily-wide \
     --shape wide --quantized
