@@ -423,6 +423,83 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
     );
 }
 
+/// A mixed step (`decode_mixed`: rows drawn on the device beside rows whose logits the host
+/// takes) returns the host rows' logits of a plain `decode` of the same batch and the drawn rows'
+/// ids of `decode_sample`, and the next step takes the host's choice as its input for those rows
+/// (not the device's placeholder draw): it continues bit for bit as the plain batch does.
+#[test]
+fn mixed_steps_draw_some_rows_and_return_the_others_logits() {
+    let dir = &fixtures()[0];
+    let model = Model::load(dir).unwrap();
+    let vocab = model.config.vocab_size;
+    // Three prefilled sequences, three copies of each and one more fork.
+    let gpu = cuda(&model, 13);
+    let prompt = &prompts(dir)[0];
+    let mut bases = Vec::new();
+    for cut in [prompt.len() - 1, prompt.len() - 2, prompt.len() - 3] {
+        let mut state = gpu.new_state().unwrap();
+        gpu.prefill(&mut state, &prompt[..cut], LogitsFor::Last)
+            .unwrap();
+        bases.push((state, prompt[cut]));
+    }
+    let tokens: Vec<u32> = bases.iter().map(|(_, t)| *t).collect();
+    let copies = || -> Vec<_> { bases.iter().map(|(s, _)| gpu.fork(s).unwrap()).collect() };
+    let (mut plain, mut mixed, mut sampled) = (copies(), copies(), copies());
+    drop(bases);
+    let drawn = DeviceDraw {
+        temperature: 0.8,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        allowed: vocab,
+        seed: 5,
+    };
+    let top = DeviceDraw::most_likely(vocab);
+
+    let logits = gpu
+        .decode(&mut plain.iter_mut().collect::<Vec<_>>(), &tokens)
+        .unwrap();
+    let step = gpu
+        .decode_mixed(
+            &mut mixed.iter_mut().collect::<Vec<_>>(),
+            &tokens,
+            &[Some(drawn), None, Some(top)],
+        )
+        .unwrap();
+    let ids = gpu
+        .decode_sample(
+            &mut sampled.iter_mut().collect::<Vec<_>>(),
+            &tokens,
+            &[drawn, top, top],
+        )
+        .unwrap();
+    assert_eq!(step.drawn, [Some(ids[0]), None, Some(ids[2])]);
+    assert_eq!(ids[2], argmax(&logits[2 * vocab..]));
+    assert_eq!(
+        step.logits,
+        logits[vocab..2 * vocab],
+        "the host row's logits"
+    );
+
+    // The host picks a token the device's top-1 placeholder did not.
+    let host_choice = (argmax(&step.logits) + 1) % vocab as u32;
+    let next = [ids[0], host_choice, ids[2]];
+    let after_plain = gpu
+        .decode(&mut plain.iter_mut().collect::<Vec<_>>(), &next)
+        .unwrap();
+    let after_mixed = gpu
+        .decode(&mut mixed.iter_mut().collect::<Vec<_>>(), &next)
+        .unwrap();
+    assert_eq!(after_mixed, after_plain);
+
+    // One row alone, left to the host: the plain step's logits.
+    let mut one = plain.pop().unwrap();
+    let mut again = gpu.fork(&one).unwrap();
+    let alone = gpu.decode(&mut [&mut one], &[3]).unwrap();
+    let step = gpu.decode_mixed(&mut [&mut again], &[3], &[None]).unwrap();
+    assert_eq!((step.drawn, step.logits), (vec![None], alone));
+}
+
 /// The prefill path's tensor-core product (4- and 8-bit weights dequantised in registers, inputs
 /// in fp16; dense weights in bf16, converted to fp16 in registers) against an f64 product of the
 /// same weights: every quantised matrix of the fixture (the routers stay 8-bit in a 4-bit

@@ -35,6 +35,29 @@ pub struct DeviceDraw {
     pub seed: u64,
 }
 
+impl DeviceDraw {
+    /// The draw that always takes the most likely of the ids below `allowed` (top-1).
+    pub fn most_likely(allowed: usize) -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 1,
+            top_p: 1.0,
+            min_p: 0.0,
+            allowed,
+            seed: 0,
+        }
+    }
+}
+
+/// What [`Backend::decode_mixed`] chose: the drawn rows' ids, the other rows' logits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MixedStep {
+    /// Each row's drawn id, `None` for the rows left to the host.
+    pub drawn: Vec<Option<u32>>,
+    /// The logits of the rows left to the host, in batch order, row-major `[rows, vocab]`.
+    pub logits: Vec<f32>,
+}
+
 /// An executor of the model.
 pub trait Backend {
     /// Per-sequence state (caches).
@@ -79,6 +102,20 @@ pub trait Backend {
         _tokens: &[u32],
         _draws: &[DeviceDraw],
     ) -> Result<Vec<u32>> {
+        anyhow::bail!("this backend does not draw tokens itself: sample from `decode`'s logits")
+    }
+
+    /// Appends one token to each sequence; a row with a draw gets its next token drawn on the
+    /// backend (as [`Backend::decode_sample`]), a row without one its logits back for the host
+    /// to choose from (a grammar, a logit bias or reported logprobs need them). So one such
+    /// request in a batch brings its own logits to the host, not every row's, and the drawn rows
+    /// take the same draws as in a batch of drawn rows alone.
+    fn decode_mixed(
+        &self,
+        _states: &mut [&mut Self::State],
+        _tokens: &[u32],
+        _draws: &[Option<DeviceDraw>],
+    ) -> Result<MixedStep> {
         anyhow::bail!("this backend does not draw tokens itself: sample from `decode`'s logits")
     }
 

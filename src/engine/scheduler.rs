@@ -589,43 +589,45 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             return;
         }
         let tokens: Vec<u32> = batch.iter().filter_map(|s| s.next_token).collect();
-        let device_greedy = batch.iter().all(|s| s.device_greedy);
-        let device_sampled = batch.iter().all(|s| s.device_greedy || s.device_sampled);
-        // Greedy sequences in a sampled batch take the one token a top-1 filter leaves; padding
-        // rows past the tokenizer's vocabulary are never drawn.
+        // Padding rows past the tokenizer's vocabulary are never drawn.
         let allowed = self
             .tokenizer
             .map_or(self.backend.config().vocab_size, |t| t.vocab_size());
+        // Each row's draw where the backend can make it: greedy rows take the one token a top-1
+        // filter leaves; rows whose choice needs the logits on the host have none.
+        let draws: Vec<Option<DeviceDraw>> = batch
+            .iter_mut()
+            .map(|s| {
+                if s.device_sampled {
+                    s.sampler.device_draw(allowed)
+                } else {
+                    s.device_greedy.then(|| DeviceDraw::most_likely(allowed))
+                }
+            })
+            .collect();
+        let drawn_rows = draws.iter().flatten().count();
+        let all_greedy = batch.iter().all(|s| s.device_greedy);
         let start = Instant::now();
-        let result = if device_greedy {
-            let mut states: Vec<&mut B::State> = batch.iter_mut().map(|s| &mut s.state).collect();
+        let mut states: Vec<&mut B::State> = batch.iter_mut().map(|s| &mut s.state).collect();
+        let result = if all_greedy {
             self.backend
                 .decode_greedy(&mut states, &tokens)
                 .map(Chosen::Ids)
-        } else if device_sampled {
-            let draws: Vec<DeviceDraw> = batch
-                .iter_mut()
-                .map(|s| {
-                    s.sampler.device_draw(allowed).unwrap_or(DeviceDraw {
-                        temperature: 1.0,
-                        top_k: 1,
-                        top_p: 1.0,
-                        min_p: 0.0,
-                        allowed,
-                        seed: 0,
-                    })
-                })
-                .collect();
-            let mut states: Vec<&mut B::State> = batch.iter_mut().map(|s| &mut s.state).collect();
-            self.backend
-                .decode_sample(&mut states, &tokens, &draws)
-                .map(Chosen::Drawn)
-        } else {
-            let mut states: Vec<&mut B::State> = batch.iter_mut().map(|s| &mut s.state).collect();
+        } else if drawn_rows == 0 || !self.backend.samples_on_device() {
             self.backend
                 .decode(&mut states, &tokens)
                 .map(Chosen::Logits)
+        } else if drawn_rows == draws.len() {
+            let draws: Vec<DeviceDraw> = draws.into_iter().flatten().collect();
+            self.backend
+                .decode_sample(&mut states, &tokens, &draws)
+                .map(|ids| Chosen::Mixed(ids.into_iter().map(Some).collect(), Vec::new()))
+        } else {
+            self.backend
+                .decode_mixed(&mut states, &tokens, &draws)
+                .map(|step| Chosen::Mixed(step.drawn, step.logits))
         };
+        drop(states);
         metrics
             .decode_micros
             .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
@@ -639,10 +641,24 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
                     emit(s, (id, None), metrics);
                 }
             }
-            Ok(Chosen::Drawn(ids)) => {
-                for (s, id) in batch.into_iter().zip(ids) {
-                    s.sampler.record(id);
-                    emit(s, (id, None), metrics);
+            Ok(Chosen::Mixed(drawn, mut logits)) => {
+                let vocab = self.backend.config().vocab_size;
+                let mut rows = logits.chunks_exact_mut(vocab);
+                for (s, id) in batch.into_iter().zip(drawn) {
+                    let chosen = match id {
+                        Some(id) => {
+                            s.sampler.record(id);
+                            Ok((id, None))
+                        }
+                        None => match rows.next() {
+                            Some(row) => choose(s, row, self.tokenizer),
+                            None => Err(anyhow::anyhow!("the backend returned too few logits")),
+                        },
+                    };
+                    match chosen {
+                        Ok(chosen) => emit(s, chosen, metrics),
+                        Err(e) => fail(s, &e, metrics),
+                    }
                 }
             }
             Ok(Chosen::Logits(mut logits)) => {
@@ -756,8 +772,9 @@ fn keep_copy<B: Backend>(
 enum Chosen {
     /// The backend's argmax.
     Ids(Vec<u32>),
-    /// The backend's draws (the samplers record them).
-    Drawn(Vec<u32>),
+    /// Each row's draw by the backend (the samplers record them), or `None` for the rows whose
+    /// logits follow, in order, for the host to choose from.
+    Mixed(Vec<Option<u32>>, Vec<f32>),
     Logits(Vec<f32>),
 }
 
@@ -840,7 +857,199 @@ fn fail<S>(s: &mut Sequence<'_, S>, error: &anyhow::Error, metrics: &EngineMetri
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicUsize;
+
     use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::{MixedStep, argmax};
+    use crate::engine::generate::GenerationParams;
+    use crate::engine::sampler::SamplingParams;
+    use crate::model::demo::demo;
+
+    /// The CPU backend drawing tokens itself, as the CUDA backend does (Gumbel-max at the draw's
+    /// temperature, the noise a hash of the seed and the id; the top-k/p and min-p filters,
+    /// which these tests leave off, are not applied), counting the mixed steps it took.
+    struct DrawingCpu {
+        cpu: CpuBackend,
+        mixed_steps: Arc<AtomicUsize>,
+    }
+
+    fn draw(logits: &[f32], d: &DeviceDraw) -> u32 {
+        let logits = &logits[..d.allowed];
+        if d.top_k == 1 {
+            return argmax(logits);
+        }
+        let noisy: Vec<f32> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let mut h = d.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                h = (h ^ (h >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                h ^= h >> 29;
+                let u = ((h >> 40) as f32 + 0.5) / (1u64 << 24) as f32;
+                l / d.temperature - (-u.ln()).ln()
+            })
+            .collect();
+        argmax(&noisy)
+    }
+
+    impl Backend for DrawingCpu {
+        type State = <CpuBackend as Backend>::State;
+
+        fn config(&self) -> &crate::config::ModelConfig {
+            self.cpu.config()
+        }
+
+        fn new_state(&self) -> Result<Self::State> {
+            self.cpu.new_state()
+        }
+
+        fn fork(&self, state: &Self::State) -> Result<Self::State> {
+            self.cpu.fork(state)
+        }
+
+        fn prefill(
+            &self,
+            state: &mut Self::State,
+            tokens: &[u32],
+            which: LogitsFor,
+        ) -> Result<Vec<f32>> {
+            self.cpu.prefill(state, tokens, which)
+        }
+
+        fn decode(&self, states: &mut [&mut Self::State], tokens: &[u32]) -> Result<Vec<f32>> {
+            self.cpu.decode(states, tokens)
+        }
+
+        fn samples_on_device(&self) -> bool {
+            true
+        }
+
+        fn decode_sample(
+            &self,
+            states: &mut [&mut Self::State],
+            tokens: &[u32],
+            draws: &[DeviceDraw],
+        ) -> Result<Vec<u32>> {
+            let logits = self.cpu.decode(states, tokens)?;
+            let rows = logits.chunks_exact(self.config().vocab_size);
+            Ok(rows.zip(draws).map(|(row, d)| draw(row, d)).collect())
+        }
+
+        fn decode_mixed(
+            &self,
+            states: &mut [&mut Self::State],
+            tokens: &[u32],
+            draws: &[Option<DeviceDraw>],
+        ) -> Result<MixedStep> {
+            self.mixed_steps.fetch_add(1, Ordering::Relaxed);
+            let all = self.cpu.decode(states, tokens)?;
+            let mut step = MixedStep {
+                drawn: Vec::new(),
+                logits: Vec::new(),
+            };
+            for (row, d) in all.chunks_exact(self.config().vocab_size).zip(draws) {
+                step.drawn.push(d.as_ref().map(|d| draw(row, d)));
+                if d.is_none() {
+                    step.logits.extend_from_slice(row);
+                }
+            }
+            Ok(step)
+        }
+    }
+
+    fn request(prompt: Vec<u32>, temperature: f32, logprobs: Option<usize>) -> GenerationRequest {
+        GenerationRequest {
+            prompt,
+            cache_points: Vec::new(),
+            params: GenerationParams {
+                max_tokens: 12,
+                sampling: SamplingParams {
+                    temperature,
+                    seed: Some(11),
+                    ..SamplingParams::default()
+                },
+                stop: Vec::new(),
+                eos_token_ids: Vec::new(),
+            },
+            logprobs,
+            logit_bias: Vec::new(),
+            constraint: None,
+        }
+    }
+
+    /// The ids of each request's reply, and whether every token came with logprobs.
+    fn replies(engine: &Engine, requests: &[GenerationRequest]) -> Vec<(Vec<u32>, bool)> {
+        let mut receivers: Vec<_> = requests
+            .iter()
+            .map(|r| engine.handle().submit(r.clone()).unwrap())
+            .collect();
+        receivers
+            .iter_mut()
+            .map(|events| {
+                let (mut ids, mut reported) = (Vec::new(), true);
+                while let Some(event) = events.blocking_recv() {
+                    match event {
+                        Event::Token { id, logprobs, .. } => {
+                            ids.push(id);
+                            reported &= logprobs.is_some();
+                        }
+                        Event::Finished { .. } => break,
+                        Event::Failed(e) => panic!("{e}"),
+                    }
+                }
+                (ids, reported)
+            })
+            .collect()
+    }
+
+    /// A greedy and a sampled request beside one whose logprobs need the host: the step draws
+    /// the first two on the backend and returns the third's logits alone, and each reply is
+    /// the one it gets running alone (the same draws, in the same order).
+    #[test]
+    fn a_row_that_needs_its_logits_leaves_the_other_rows_drawn_on_the_backend() {
+        let model = Arc::new(demo().unwrap().model);
+        let mixed_steps = Arc::new(AtomicUsize::new(0));
+        let counter = mixed_steps.clone();
+        let engine = Engine::start(
+            move || {
+                Ok(DrawingCpu {
+                    cpu: CpuBackend::new(model),
+                    mixed_steps: counter,
+                })
+            },
+            None,
+            EngineOptions {
+                max_batch: 4,
+                max_queue: 8,
+                prefill_chunk: 512,
+                prefix_cache: 0,
+            },
+        )
+        .unwrap();
+        let requests = [
+            request(vec![72, 101, 108, 108, 111], 0.0, None),
+            request(vec![87, 111, 114, 108, 100, 33], 0.9, None),
+            request(vec![66, 121, 101], 0.0, Some(2)),
+        ];
+        let alone: Vec<_> = requests
+            .iter()
+            .map(|r| replies(&engine, std::slice::from_ref(r)).remove(0))
+            .collect();
+        assert_eq!(mixed_steps.load(Ordering::Relaxed), 0);
+        let together = replies(&engine, &requests);
+        assert!(mixed_steps.load(Ordering::Relaxed) > 0);
+        assert_eq!(together, alone);
+        assert_eq!(
+            together
+                .iter()
+                .map(|(ids, _)| ids.len())
+                .collect::<Vec<_>>(),
+            [12, 12, 12]
+        );
+        assert!(together[2].1 && !together[0].1 && !together[1].1);
+        engine.join();
+    }
 
     #[test]
     fn the_cache_keeps_what_the_backends_pool_has_room_for() {

@@ -50,7 +50,7 @@ pub use self::sequences::CudaState;
 use self::sequences::{BatchSteps, BatchTables, Slot, StepEnd};
 use self::shapes::*;
 use self::weights::{DeviceModel, ScaleFormat, WeightFormat, ptr};
-use super::{Backend, DeviceDraw, LogitsFor};
+use super::{Backend, DeviceDraw, LogitsFor, MixedStep};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
 
@@ -1047,6 +1047,48 @@ impl Backend for CudaBackend {
         }
         self.step_batch(states, tokens, StepEnd::Sampled)?;
         self.read_chosen(states)
+    }
+
+    /// The step every row draws on the device, rows left to the host with a top-1 draw that
+    /// only fills their slot's token: the host's choice replaces it as the next input. Their
+    /// logits are the step's own (`sample_token` reads them in place).
+    fn decode_mixed(
+        &self,
+        states: &mut [&mut CudaState],
+        tokens: &[u32],
+        draws: &[Option<DeviceDraw>],
+    ) -> Result<MixedStep> {
+        ensure!(
+            states.len() == tokens.len() && states.len() == draws.len(),
+            "decode_mixed got {} sequences, {} tokens and {} draws",
+            states.len(),
+            tokens.len(),
+            draws.len()
+        );
+        let placeholder = DeviceDraw::most_likely(self.config.vocab_size);
+        for (state, draw) in states.iter().zip(draws) {
+            self.set_draw(state, draw.as_ref().unwrap_or(&placeholder))?;
+        }
+        let ids = if let ([state], [token]) = (&mut *states, tokens) {
+            self.step(state, *token, StepEnd::Sampled)?;
+            vec![self.read_token(state)?]
+        } else {
+            self.step_batch(states, tokens, StepEnd::Sampled)?;
+            self.read_chosen(states)?
+        };
+        let mut logits = Vec::new();
+        for (row, (state, draw)) in states.iter_mut().zip(draws).enumerate() {
+            if draw.is_none() {
+                state.device_token = None;
+                logits.extend(self.read_logits_row(row)?);
+            }
+        }
+        let drawn = ids
+            .into_iter()
+            .zip(draws)
+            .map(|(id, draw)| draw.is_some().then_some(id))
+            .collect();
+        Ok(MixedStep { drawn, logits })
     }
 
     fn config(&self) -> &ModelConfig {

@@ -427,6 +427,14 @@ impl CudaBackend {
         Ok(id)
     }
 
+    /// Copies the logits of the last step's row `row` to the host.
+    pub(super) fn read_logits_row(&self, row: usize) -> Result<Vec<f32>> {
+        let v = self.config.vocab_size;
+        Ok(self
+            .stream
+            .clone_dtoh(&self.scratch.logits.slice(row * v..(row + 1) * v))?)
+    }
+
     /// Copies the logits of the last step's `rows` sequences to the host.
     pub(super) fn read_logits(&self, rows: usize) -> Result<Vec<f32>> {
         let n = rows * self.config.vocab_size;
