@@ -760,6 +760,60 @@ fn mode_tools() -> Value {
     ])
 }
 
+/// `parallel_tool_calls: false` with the model free to call (`auto`): the reply ends once it has
+/// written `</tool_call>` (id 262 of the demo, made likely here by a bias), the text kept; with
+/// parallel calls allowed, or without tools, the same reply runs on.
+#[tokio::test]
+async fn one_call_at_most_ends_the_reply_at_the_first_closing_tag() {
+    let server = demo();
+    for (extra, ends) in [
+        (
+            json!({"tools": mode_tools(), "parallel_tool_calls": false}),
+            true,
+        ),
+        (
+            json!({"tools": mode_tools(), "parallel_tool_calls": true}),
+            false,
+        ),
+        (json!({"tools": mode_tools()}), false),
+        (
+            json!({"tools": mode_tools(), "parallel_tool_calls": false,
+                "tool_choice": "none"}),
+            false,
+        ),
+        (json!({"parallel_tool_calls": false}), false),
+    ] {
+        let mut body = chat(
+            "Go.",
+            json!({"max_tokens": 6, "temperature": 0, "logit_bias": {"262": 100},
+                   "chat_template_kwargs": {"enable_thinking": false}}),
+        );
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, v) = post(&server, "/v1/chat/completions", body).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let (tokens, finish) = (
+            &v["usage"]["completion_tokens"],
+            &v["choices"][0]["finish_reason"],
+        );
+        if ends {
+            assert_eq!(
+                (tokens, finish),
+                (&json!(1), &json!("stop")),
+                "{extra}: {v}"
+            );
+            assert_eq!(v["choices"][0]["message"]["content"], "</tool_call>", "{v}");
+        } else {
+            assert_eq!(
+                (tokens, finish),
+                (&json!(6), &json!("length")),
+                "{extra}: {v}"
+            );
+        }
+    }
+}
+
 /// `tool_choice` `required` and a named function make the random demo model call tools, with
 /// arguments of the schema's types, whether the thought is open or not.
 #[tokio::test]

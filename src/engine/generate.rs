@@ -23,6 +23,9 @@ pub struct GenerationParams {
     pub stop: Vec<String>,
     /// Token ids that end generation (not emitted as text).
     pub eos_token_ids: Vec<u32>,
+    /// Token ids that end generation once emitted as text (`</tool_call>` where the request
+    /// allows one tool call only).
+    pub end_after_ids: Vec<u32>,
 }
 
 /// Why a sequence ended.
@@ -51,6 +54,7 @@ pub struct Output<'t> {
     skip_special_tokens: bool,
     stop: StopChecker,
     eos_token_ids: Vec<u32>,
+    end_after_ids: Vec<u32>,
     max_tokens: usize,
 }
 
@@ -63,6 +67,7 @@ impl<'t> Output<'t> {
             skip_special_tokens: false,
             stop: StopChecker::new(params.stop.clone()),
             eos_token_ids: params.eos_token_ids.clone(),
+            end_after_ids: params.end_after_ids.clone(),
             max_tokens: params.max_tokens,
         }
     }
@@ -97,6 +102,13 @@ impl<'t> Output<'t> {
             });
         }
         let mut text = checked.text;
+        if self.end_after_ids.contains(&id) {
+            text.push_str(&self.flush()?);
+            return Ok(Pushed {
+                text,
+                finish: Some(FinishReason::Stop),
+            });
+        }
         if self.ids.len() >= self.max_tokens {
             text.push_str(&self.flush()?);
             return Ok(Pushed {

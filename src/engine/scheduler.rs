@@ -971,6 +971,7 @@ mod tests {
                 },
                 stop: Vec::new(),
                 eos_token_ids: Vec::new(),
+                end_after_ids: Vec::new(),
             },
             logprobs,
             logit_bias: Vec::new(),

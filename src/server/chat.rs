@@ -79,7 +79,7 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
         (None, Some(m)) => Some((m, "max_tokens")),
         (None, None) => None,
     };
-    let plan = Plan::read(common, max_tokens, app)?;
+    let mut plan = Plan::read(common, max_tokens, app)?;
     let (Some(tokenizer), Some(template)) = (&app.model.tokenizer, &app.model.chat_template) else {
         return Err(ApiError::invalid(
             "messages",
@@ -152,6 +152,12 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
     let (template, encoder) = (template.clone(), tokenizer.clone());
     let grammar_app = app.clone();
     let parallel = chat.parallel_tool_calls.unwrap_or(true);
+    // One call at most: the reply ends with the first call's closing tag (a single token in
+    // Qwen's vocabulary; the parser keeps the first call where it is not).
+    if parse_tool_calls && !parallel && forced_call.is_none() {
+        plan.end_after_ids
+            .extend(tokenizer.token_id("</tool_call>"));
+    }
     let forced_grammar = forced_call
         .map(|only| forced_calls_grammar(&tools, only.as_deref(), parallel, &json_style()));
     let (prompt_text, prompt, constraint) = off_the_workers(move || {

@@ -72,6 +72,8 @@ pub struct Plan {
     pub max_tokens_param: &'static str,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
+    /// Ids that end a reply once written (see `GenerationParams::end_after_ids`).
+    pub end_after_ids: Vec<u32>,
     pub logit_bias: Vec<(u32, f32)>,
 }
 
@@ -186,6 +188,7 @@ impl Plan {
             max_tokens_param,
             sampling,
             stop,
+            end_after_ids: Vec::new(),
             logit_bias,
         })
     }
@@ -251,6 +254,7 @@ impl Plan {
                         sampling,
                         stop: self.stop.clone(),
                         eos_token_ids: app.model.eos_token_ids.clone(),
+                        end_after_ids: self.end_after_ids.clone(),
                     },
                     logprobs,
                     logit_bias: self.logit_bias.clone(),
