@@ -1411,8 +1411,71 @@ async fn prompts_longer_than_the_context_and_oversized_bodies_are_refused() {
     assert_eq!(error_of(&v).2, Some("request_too_large"));
 }
 
+/// `/tokenize` renders a conversation as chat does (the same ids as the completion's prompt,
+/// tools and thinking switch included) and tokenizes text; `/detokenize` gives the text back.
 #[tokio::test]
-async fn the_api_key_guards_v1_only() {
+async fn tokenize_counts_what_chat_would_prefill_and_detokenize_inverts_it() {
+    let server = demo();
+    let extra = json!({"tools": mode_tools(), "chat_template_kwargs": {"enable_thinking": false},
+                       "max_tokens": 1, "return_token_ids": true});
+    let (status, completion) = post(&server, "/v1/chat/completions", chat("Hi there", extra)).await;
+    assert_eq!(status, StatusCode::OK, "{completion}");
+    let body = json!({"messages": [{"role": "user", "content": "Hi there"}], "model": "lily-demo",
+                      "tools": mode_tools(), "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, v) = post(&server, "/tokenize", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["tokens"], completion["prompt_token_ids"]);
+    assert_eq!(v["count"], completion["usage"]["prompt_tokens"]);
+    assert_eq!(v["max_model_len"], 4096);
+    // Without the generation prompt the assistant turn is not opened: fewer tokens.
+    let mut closed = body.clone();
+    closed["add_generation_prompt"] = json!(false);
+    let (_, fewer) = post(&server, "/tokenize", closed).await;
+    assert!(fewer["count"].as_u64() < v["count"].as_u64(), "{fewer}");
+
+    let text = "Grüße, <think>tags</think> and 数字 42";
+    let (status, v) = post(&server, "/tokenize", json!({"prompt": text})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(
+        v["count"].as_u64().unwrap() as usize,
+        v["tokens"].as_array().unwrap().len()
+    );
+    let (status, back) = post(&server, "/detokenize", json!({"tokens": v["tokens"]})).await;
+    assert_eq!((status, back), (StatusCode::OK, json!({"prompt": text})));
+
+    for (path, body, param) in [
+        (
+            "/tokenize",
+            json!({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+            None,
+        ),
+        ("/tokenize", json!({}), None),
+        ("/tokenize", json!({"messages": []}), Some("messages")),
+        (
+            "/tokenize",
+            json!({"messages": [{"role": "user", "content": "b"}],
+                             "reasoning_effort": "lots"}),
+            Some("reasoning_effort"),
+        ),
+        ("/detokenize", json!({"tokens": [1, 265]}), Some("tokens")),
+        ("/detokenize", json!({"tokens": [-1]}), Some("tokens")),
+        ("/detokenize", json!({"tokens": "12"}), Some("tokens")),
+    ] {
+        let (status, v) = post(&server, path, body.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {v}");
+        assert_eq!(error_of(&v).1, param, "{body}: {v}");
+    }
+    let (status, _) = post(
+        &server,
+        "/tokenize",
+        json!({"prompt": "a", "model": "gpt-4"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn the_api_key_guards_all_but_health_and_metrics() {
     let server = start(None, Limits::default(), Some("sekrit"));
     let body = json!({"prompt": "hi", "max_tokens": 2});
     let request = |key: Option<&str>| {
@@ -1438,6 +1501,8 @@ async fn the_api_key_guards_v1_only() {
         }
     }
     let (status, _) = get(&server, "/v1/models").await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _) = post(&server, "/tokenize", json!({"prompt": "hi"})).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert_eq!(get(&server, "/health").await.0, StatusCode::OK);
     assert_eq!(get(&server, "/metrics").await.0, StatusCode::OK);

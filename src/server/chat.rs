@@ -121,34 +121,12 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
         _ => !tools.is_empty(),
     };
 
-    let mut context = chat.chat_template_kwargs.unwrap_or_default();
-    match chat.reasoning_effort.as_deref() {
-        None | Some("minimal" | "low" | "medium" | "high" | "xhigh") => {}
-        Some("none") => {
-            context
-                .entry("enable_thinking")
-                .or_insert(Value::Bool(false));
-        }
-        Some(other) => {
-            return Err(ApiError::invalid(
-                "reasoning_effort",
-                format!(
-                    "`reasoning_effort` \"{other}\" is not one of \"none\", \"minimal\", \"low\", \
-                     \"medium\", \"high\", \"xhigh\"."
-                ),
-            ));
-        }
-    }
-    context.insert("messages".into(), template_messages(chat.messages)?);
-    if !tools.is_empty() {
-        context.insert("tools".into(), body["tools"].clone());
-    }
-    if let Some(choice) = body.get("tool_choice") {
-        context.insert("tool_choice".into(), choice.clone());
-    }
-    context
-        .entry("add_generation_prompt")
-        .or_insert(Value::Bool(true));
+    let context = template_context(
+        &body,
+        chat.messages,
+        chat.chat_template_kwargs,
+        chat.reasoning_effort.as_deref(),
+    )?;
     let (template, encoder) = (template.clone(), tokenizer.clone());
     let grammar_app = app.clone();
     let parallel = chat.parallel_tool_calls.unwrap_or(true);
@@ -303,6 +281,49 @@ fn message_starts(prompt: &[u32], im_start: Option<u32>) -> Vec<usize> {
         .map(|(i, _)| i);
     let first = starts.next();
     first.into_iter().chain(starts.next_back()).collect()
+}
+
+/// The chat template's variables for a conversation: `chat_template_kwargs` (with a
+/// `reasoning_effort` of `"none"` as `enable_thinking: false`), the messages, the request's
+/// `tools` and `tool_choice` as given, and `add_generation_prompt` (true unless set).
+pub fn template_context(
+    body: &Value,
+    messages: Vec<ChatMessage>,
+    kwargs: Option<Map<String, Value>>,
+    reasoning_effort: Option<&str>,
+) -> Result<Map<String, Value>, ApiError> {
+    let mut context = kwargs.unwrap_or_default();
+    match reasoning_effort {
+        None | Some("minimal" | "low" | "medium" | "high" | "xhigh") => {}
+        Some("none") => {
+            context
+                .entry("enable_thinking")
+                .or_insert(Value::Bool(false));
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "reasoning_effort",
+                format!(
+                    "`reasoning_effort` \"{other}\" is not one of \"none\", \"minimal\", \"low\", \
+                     \"medium\", \"high\", \"xhigh\"."
+                ),
+            ));
+        }
+    }
+    context.insert("messages".into(), template_messages(messages)?);
+    if let Some(tools) = body
+        .get("tools")
+        .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+    {
+        context.insert("tools".into(), tools.clone());
+    }
+    if let Some(choice) = body.get("tool_choice") {
+        context.insert("tool_choice".into(), choice.clone());
+    }
+    context
+        .entry("add_generation_prompt")
+        .or_insert(Value::Bool(true));
+    Ok(context)
 }
 
 /// Messages as the template expects them: OpenAI's `developer` role as `system`, text parts

@@ -4,7 +4,8 @@
 //! checkpoint directory or the embedded demo), the engine thread, the listener, logging, and the
 //! graceful shutdown on SIGINT/SIGTERM. It also builds the [`router`]: `/v1/chat/completions`
 //! ([`chat`]), `/v1/completions` ([`completions`]), `/v1/responses` ([`responses`]), `/v1/models`,
-//! `/health` and `/metrics` ([`metrics`]), with the API key check and the body size limit.
+//! vLLM's `/tokenize` and `/detokenize` ([`tokenize`]), `/health` and `/metrics` ([`metrics`]),
+//! with the API key check (all but the last two) and the body size limit.
 //! Streams are assembled in [`stream`]; replies are split into reasoning ([`reasoning`]) and tool
 //! calls ([`tool_calls`]).
 
@@ -17,6 +18,7 @@ pub mod openai;
 pub mod reasoning;
 pub mod responses;
 pub mod stream;
+pub mod tokenize;
 pub mod tool_calls;
 
 use std::net::SocketAddr;
@@ -249,7 +251,8 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// The HTTP routes, with the API key check on `/v1/*` and the body size limit.
+/// The HTTP routes, with the API key check on `/v1/*`, `/tokenize` and `/detokenize`, and the
+/// body size limit.
 pub fn router(app: Arc<AppState>, max_body_bytes: usize) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
@@ -257,6 +260,8 @@ pub fn router(app: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(app.clone(), require_api_key));
     Router::new()
         .merge(v1)

@@ -61,7 +61,7 @@ pub struct ChatFields {
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<Tool>>,
     pub tool_choice: Option<ToolChoice>,
-    /// False: a forced (`required`) reply makes one call. `auto` replies are not held to it.
+    /// False: a forced (`required`) reply makes one call, an `auto` reply ends after its first.
     pub parallel_tool_calls: Option<bool>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub response_format: Option<ResponseFormat>,
