@@ -396,6 +396,63 @@ async fn completions_from_text_and_from_ids() {
     assert_eq!(streamed_text(&events), format!("Once upon a time{text}"));
 }
 
+/// A batch of prompts (texts or id lists) gets each prompt's completions, numbered prompt by
+/// prompt, each what the prompt gets alone (greedy), whole and streamed, with the echo of its
+/// own prompt; usage counts every prompt once.
+#[tokio::test]
+async fn a_batch_of_prompts_gets_each_prompts_own_completions() {
+    let server = demo();
+    let texts = ["Once upon a time", "The", "In 1912 the ship"];
+    let mut alone = Vec::new();
+    let mut prompt_tokens = 0;
+    for text in texts {
+        let body = json!({"prompt": text, "max_tokens": 8, "temperature": 0});
+        let (_, v) = post(&server, "/v1/completions", body).await;
+        alone.push(v["choices"][0]["text"].as_str().unwrap().to_owned());
+        prompt_tokens += v["usage"]["prompt_tokens"].as_u64().unwrap();
+    }
+    let batch = json!({"prompt": texts, "max_tokens": 8, "temperature": 0, "n": 2, "echo": true});
+    let (status, v) = post(&server, "/v1/completions", batch.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let p = i / 2;
+        assert_eq!(c["text"], format!("{}{}", texts[p], alone[p]), "choice {i}");
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 6 * 8);
+
+    let (_, events) = stream(&server, "/v1/completions", batch).await;
+    let mut streamed = vec![String::new(); 6];
+    for e in &events {
+        for c in e["choices"].as_array().unwrap() {
+            streamed[c["index"].as_u64().unwrap() as usize].push_str(c["text"].as_str().unwrap());
+        }
+    }
+    for (i, text) in streamed.iter().enumerate() {
+        assert_eq!(
+            text,
+            &format!("{}{}", texts[i / 2], alone[i / 2]),
+            "choice {i}"
+        );
+    }
+
+    // The same as token-id lists.
+    let (_, ids) = post(&server, "/tokenize", json!({"prompt": texts[1]})).await;
+    let lists = json!({"prompt": [ids["tokens"], ids["tokens"]], "max_tokens": 8,
+                       "temperature": 0});
+    let (_, v) = post(&server, "/v1/completions", lists).await;
+    let texts_back: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts_back, [alone[1].as_str(), alone[1].as_str()]);
+}
+
 #[tokio::test]
 async fn stop_strings_end_the_text_and_are_never_emitted() {
     let server = demo();
@@ -1305,7 +1362,13 @@ async fn malformed_requests_get_openai_errors() {
             chat("x", json!({"stop": 5})),
             "stop",
         ),
-        ("/v1/completions", json!({"prompt": ["a", "b"]}), "prompt"),
+        ("/v1/completions", json!({"prompt": ["a", ""]}), "prompt"),
+        ("/v1/completions", json!({"prompt": []}), "prompt"),
+        (
+            "/v1/completions",
+            json!({"prompt": ["a", "b"], "return_token_ids": true}),
+            "return_token_ids",
+        ),
         ("/v1/completions", json!({"prompt": [1, 99999]}), "prompt"),
         ("/v1/completions", json!({"prompt": ""}), "prompt"),
         (

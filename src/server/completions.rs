@@ -1,5 +1,6 @@
-//! `POST /v1/completions`: a raw prompt (text or token ids, no chat template) continued and
-//! answered as a text completion, whole or streamed.
+//! `POST /v1/completions`: a raw prompt (text or token ids, no chat template), or a batch of
+//! them, continued and answered as a text completion, whole or streamed. A batch's choices are
+//! numbered prompt by prompt (`index = prompt * n + j`), as OpenAI numbers them.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -67,36 +68,56 @@ pub async fn completions(
         }
     };
     let tokenizer = app.model.tokenizer.clone();
-    let (prompt, prompt_text) = match fields.prompt {
-        Prompt::Text(text) => text_prompt(tokenizer.clone(), text).await?,
-        Prompt::Texts(mut texts) if texts.len() == 1 => {
-            text_prompt(tokenizer.clone(), texts.remove(0)).await?
+    let mut prompts = Vec::new();
+    match fields.prompt {
+        Prompt::Text(text) => prompts.push(text_prompt(tokenizer.clone(), text).await?),
+        Prompt::Texts(texts) => {
+            for text in texts {
+                prompts.push(text_prompt(tokenizer.clone(), text).await?);
+            }
         }
-        Prompt::Ids(ids) => id_prompt(&app, tokenizer.as_deref(), ids)?,
-        Prompt::IdLists(mut lists) if lists.len() == 1 => {
-            id_prompt(&app, tokenizer.as_deref(), lists.remove(0))?
+        Prompt::Ids(ids) => prompts.push(id_prompt(&app, tokenizer.as_deref(), ids)?),
+        Prompt::IdLists(lists) => {
+            for ids in lists {
+                prompts.push(id_prompt(&app, tokenizer.as_deref(), ids)?);
+            }
         }
-        Prompt::Texts(_) | Prompt::IdLists(_) => {
-            return Err(ApiError::invalid(
-                "prompt",
-                "Batches of prompts are not supported: send one prompt per request (use `n` for \
-                 several completions of one prompt).",
-            ));
-        }
-    };
-    let budget = plan.token_budget(prompt.len(), "prompt", &app)?;
-    // No cache points: a raw prompt has no known place where later ones diverge, and each point
-    // splits the prefill. A finished completion still leaves its state for a continuation.
-    let receivers = plan.submit(&app, &prompt, &[], budget, logprobs, constraint.as_ref())?;
+    }
+    if prompts.is_empty() {
+        return Err(ApiError::invalid("prompt", "`prompt` is an empty list."));
+    }
+    if prompts.len() > 1 && plan.return_token_ids {
+        return Err(ApiError::invalid(
+            "return_token_ids",
+            "`return_token_ids` takes one prompt: send a batch's prompts one per request.",
+        ));
+    }
+    let mut receivers = Vec::new();
+    for (prompt, _) in &prompts {
+        let budget = plan.token_budget(prompt.len(), "prompt", &app)?;
+        // No cache points: a raw prompt has no known place where later ones diverge, and each
+        // point splits the prefill. A finished completion still leaves its state for a
+        // continuation.
+        receivers.extend(plan.submit(&app, prompt, &[], budget, logprobs, constraint.as_ref())?);
+    }
     let reply = Reply {
         id: format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
         created: unix_now(),
         model: app.model.name().to_owned(),
         tokenizer,
-        prompt_tokens: prompt.len(),
-        prompt_ids: plan.return_token_ids.then_some(prompt),
-        echo: echo.then_some(prompt_text),
-        choices: (0..plan.n)
+        prompt_ids: plan
+            .return_token_ids
+            .then(|| prompts.first().map(|(ids, _)| ids.clone()))
+            .flatten(),
+        prompts: prompts
+            .into_iter()
+            .map(|(ids, text)| PromptOf {
+                tokens: ids.len(),
+                echo: echo.then_some(text),
+            })
+            .collect(),
+        n: plan.n,
+        choices: (0..receivers.len())
             .map(|_| ChoiceOutput {
                 text: String::new(),
                 logprobs: logprobs.map(|_| CompletionLogprobs::default()),
@@ -163,15 +184,24 @@ struct ChoiceOutput {
     started: bool,
 }
 
+/// One prompt of the request.
+struct PromptOf {
+    tokens: usize,
+    /// The prompt's text, where `echo` asks for it before each of its choices.
+    echo: Option<String>,
+}
+
 /// A text completion being assembled from engine events (whole or as a stream).
 struct Reply {
     id: String,
     created: u64,
     model: String,
     tokenizer: Option<Arc<Tokenizer>>,
-    prompt_tokens: usize,
+    /// The prompt's ids, where `return_token_ids` asks for them (one prompt only).
     prompt_ids: Option<Vec<u32>>,
-    echo: Option<String>,
+    prompts: Vec<PromptOf>,
+    /// Choices per prompt: choice i continues prompt i / n.
+    n: usize,
     choices: Vec<ChoiceOutput>,
     include_usage: bool,
     return_token_ids: bool,
@@ -187,12 +217,18 @@ struct Step {
 }
 
 impl Reply {
+    /// The echoed prompt text that starts choice `index`.
+    fn echo_of(&self, index: usize) -> Option<&str> {
+        self.prompts[index / self.n].echo.as_deref()
+    }
+
     fn step(&mut self, index: usize, event: Event) -> Result<Step, ApiError> {
+        let echoed = self.echo_of(index).map_or(0, str::len);
         let choice = &mut self.choices[index];
         match event {
             Event::Token { id, text, logprobs } => {
                 choice.token_ids.push(id);
-                let offset = self.echo.as_ref().map_or(0, String::len) + choice.text.len();
+                let offset = echoed + choice.text.len();
                 let logprobs = match (&mut choice.logprobs, logprobs) {
                     (Some(all), Some(l)) => {
                         let one = legacy_logprobs(self.tokenizer.as_deref(), id, &l, offset);
@@ -237,15 +273,15 @@ impl Reply {
         log_answered(&self.id, &self.usage(), &finishes, self.started);
     }
 
+    /// Each prompt counted once, with the most any of its choices took from the cache.
     fn usage(&self) -> Usage {
         Usage::new(
-            self.prompt_tokens,
+            self.prompts.iter().map(|p| p.tokens).sum(),
             self.choices.iter().map(|c| c.completion_tokens).sum(),
             self.choices
-                .iter()
-                .map(|c| c.cached_tokens)
-                .max()
-                .unwrap_or(0),
+                .chunks(self.n)
+                .map(|of_prompt| of_prompt.iter().map(|c| c.cached_tokens).max().unwrap_or(0))
+                .sum(),
         )
     }
 
@@ -272,14 +308,13 @@ impl stream::Reply for Reply {
     fn whole(mut self) -> Completion {
         self.log();
         let usage = self.usage();
-        let echo = self.echo.take().unwrap_or_default();
         let return_token_ids = self.return_token_ids;
         let choices = std::mem::take(&mut self.choices)
             .into_iter()
             .enumerate()
             .map(|(index, c)| CompletionChoice {
                 index,
-                text: format!("{echo}{}", c.text),
+                text: format!("{}{}", self.echo_of(index).unwrap_or_default(), c.text),
                 logprobs: c.logprobs,
                 finish_reason: c.finish,
                 token_ids: return_token_ids.then_some(c.token_ids),
@@ -299,7 +334,7 @@ impl ChunkWriter for Reply {
         let first = !choice.started;
         choice.started = true;
         let mut text = step.text;
-        if first && let Some(echo) = &self.echo {
+        if first && let Some(echo) = self.echo_of(index) {
             text.insert_str(0, echo);
         }
         if text.is_empty()

@@ -140,7 +140,7 @@ REFUSED = {
     COMPLETIONS: {
         "model": ["gpt-4"],
         "max_tokens": [0, -1, 10**6],
-        "prompt": ["", [], [[]], ["a", "b"], [1, VOCAB], [[1], [2]], [-1], [2**32], [1.5]],
+        "prompt": ["", [], [[]], ["a", ""], [1, VOCAB], [[1], [VOCAB]], [-1], [2**32], [1.5]],
         "logprobs": [21, -1],
         "suffix": ["tail"],
         "best_of": [2, 0],
