@@ -453,6 +453,73 @@ async fn a_batch_of_prompts_gets_each_prompts_own_completions() {
     assert_eq!(texts_back, [alone[1].as_str(), alone[1].as_str()]);
 }
 
+/// vLLM's `ignore_eos` (an end-of-sequence id made certain by a bias no longer ends the reply)
+/// and `stop_token_ids` (another id ends it, unwritten), on both endpoints.
+#[tokio::test]
+async fn ignore_eos_and_stop_token_ids_move_where_the_reply_ends() {
+    let server = demo();
+    for (path, base) in [
+        ("/v1/completions", json!({"prompt": "The"})),
+        ("/v1/chat/completions", chat("The", json!({}))),
+    ] {
+        for (extra, tokens, finish, text) in [
+            (json!({"logit_bias": {"258": 100}}), 1, "stop", Some("")),
+            (
+                json!({"logit_bias": {"258": 100}, "ignore_eos": true}),
+                5,
+                "length",
+                None,
+            ),
+            (
+                json!({"logit_bias": {"65": 100}}),
+                5,
+                "length",
+                Some("AAAAA"),
+            ),
+            (
+                json!({"logit_bias": {"65": 100}, "stop_token_ids": [65]}),
+                1,
+                "stop",
+                Some(""),
+            ),
+        ] {
+            let mut body = base.clone();
+            body["max_tokens"] = json!(5);
+            body["temperature"] = json!(0);
+            body["chat_template_kwargs"] = json!({"enable_thinking": false});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            if path == "/v1/completions" {
+                body.as_object_mut().unwrap().remove("chat_template_kwargs");
+            }
+            let (status, v) = post(&server, path, body).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+            let c = &v["choices"][0];
+            assert_eq!(
+                v["usage"]["completion_tokens"], tokens,
+                "{path} {extra}: {v}"
+            );
+            assert_eq!(c["finish_reason"], finish, "{path} {extra}: {v}");
+            if let Some(text) = text {
+                let got = c.get("text").unwrap_or(&c["message"]["content"]);
+                assert_eq!(got, text, "{path} {extra}: {v}");
+            }
+        }
+    }
+    for ids in [json!([-1]), json!([265]), json!(["7"])] {
+        let body = json!({"prompt": "x", "stop_token_ids": ids});
+        let (status, v) = post(&server, "/v1/completions", body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+        assert!(
+            error_of(&v)
+                .1
+                .is_some_and(|p| p.starts_with("stop_token_ids")),
+            "{v}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn stop_strings_end_the_text_and_are_never_emitted() {
     let server = demo();

@@ -72,6 +72,9 @@ pub struct Plan {
     pub max_tokens_param: &'static str,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
+    /// Ids that end a reply unwritten: the model's end-of-sequence ids (unless `ignore_eos`)
+    /// and `stop_token_ids`.
+    pub eos_token_ids: Vec<u32>,
     /// Ids that end a reply once written (see `GenerationParams::end_after_ids`).
     pub end_after_ids: Vec<u32>,
     pub logit_bias: Vec<(u32, f32)>,
@@ -177,6 +180,26 @@ impl Plan {
                 }
             })
             .collect::<Result<_, _>>()?;
+        let mut eos_token_ids = if common.ignore_eos.unwrap_or(false) {
+            Vec::new()
+        } else {
+            app.model.eos_token_ids.clone()
+        };
+        for id in common.stop_token_ids.unwrap_or_default() {
+            let id = u32::try_from(id)
+                .ok()
+                .filter(|&id| (id as usize) < app.engine.vocab_size())
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "stop_token_ids",
+                        format!(
+                            "`stop_token_ids` holds ids of the vocabulary (below {}), not {id}.",
+                            app.engine.vocab_size()
+                        ),
+                    )
+                })?;
+            eos_token_ids.push(id);
+        }
         Ok(Self {
             n,
             stream: common.stream.unwrap_or(false),
@@ -188,6 +211,7 @@ impl Plan {
             max_tokens_param,
             sampling,
             stop,
+            eos_token_ids,
             end_after_ids: Vec::new(),
             logit_bias,
         })
@@ -253,7 +277,7 @@ impl Plan {
                         max_tokens,
                         sampling,
                         stop: self.stop.clone(),
-                        eos_token_ids: app.model.eos_token_ids.clone(),
+                        eos_token_ids: self.eos_token_ids.clone(),
                         end_after_ids: self.end_after_ids.clone(),
                     },
                     logprobs,

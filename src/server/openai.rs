@@ -28,6 +28,11 @@ pub struct CommonFields {
     pub logit_bias: Option<Map<String, Value>>,
     /// vLLM's extension: also return the prompt's and each choice's token ids.
     pub return_token_ids: Option<bool>,
+    /// vLLM's extension: the end-of-sequence ids do not end the reply (benchmarks that want a
+    /// fixed output length send it).
+    pub ignore_eos: Option<bool>,
+    /// vLLM's extension: more token ids that end the reply (not emitted as text).
+    pub stop_token_ids: Option<Vec<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
