@@ -453,10 +453,11 @@ async fn a_batch_of_prompts_gets_each_prompts_own_completions() {
     assert_eq!(texts_back, [alone[1].as_str(), alone[1].as_str()]);
 }
 
-/// vLLM's `ignore_eos` (an end-of-sequence id made certain by a bias no longer ends the reply)
-/// and `stop_token_ids` (another id ends it, unwritten), on both endpoints.
+/// vLLM's `ignore_eos` (an end-of-sequence id made certain by a bias no longer ends the reply),
+/// `stop_token_ids` (another id ends it, unwritten) and `min_tokens` (those ids are banned until
+/// that many tokens are out), on both endpoints.
 #[tokio::test]
-async fn ignore_eos_and_stop_token_ids_move_where_the_reply_ends() {
+async fn ignore_eos_stop_token_ids_and_min_tokens_move_where_the_reply_ends() {
     let server = demo();
     for (path, base) in [
         ("/v1/completions", json!({"prompt": "The"})),
@@ -481,6 +482,24 @@ async fn ignore_eos_and_stop_token_ids_move_where_the_reply_ends() {
                 1,
                 "stop",
                 Some(""),
+            ),
+            (
+                json!({"logit_bias": {"258": 100}, "min_tokens": 3}),
+                4,
+                "stop",
+                None,
+            ),
+            (
+                json!({"logit_bias": {"258": 100}, "min_tokens": 5}),
+                5,
+                "length",
+                None,
+            ),
+            (
+                json!({"logit_bias": {"65": 100}, "stop_token_ids": [65], "min_tokens": 2}),
+                3,
+                "stop",
+                None,
             ),
         ] {
             let mut body = base.clone();
@@ -515,6 +534,15 @@ async fn ignore_eos_and_stop_token_ids_move_where_the_reply_ends() {
             error_of(&v)
                 .1
                 .is_some_and(|p| p.starts_with("stop_token_ids")),
+            "{v}"
+        );
+    }
+    for min in [json!(-1), json!(6), json!("2")] {
+        let body = json!({"prompt": "x", "max_tokens": 5, "min_tokens": min});
+        let (status, v) = post(&server, "/v1/completions", body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+        assert!(
+            error_of(&v).1.is_some_and(|p| p.starts_with("min_tokens")),
             "{v}"
         );
     }

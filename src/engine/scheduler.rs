@@ -59,6 +59,8 @@ pub struct GenerationRequest {
     pub logprobs: Option<usize>,
     /// Added to the logits of the given ids before sampling.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Tokens generated before an end-of-sequence id may be (they are banned until then).
+    pub min_tokens: usize,
     /// A grammar the reply must follow (structured output).
     pub constraint: Option<Constraint>,
 }
@@ -364,6 +366,9 @@ struct Sequence<'t, S> {
     next_token: Option<u32>,
     logprobs: Option<usize>,
     logit_bias: Vec<(u32, f32)>,
+    /// The end-of-sequence ids, banned while fewer than `min_tokens` tokens are out.
+    eos_token_ids: Vec<u32>,
+    min_tokens: usize,
     constraint: Option<Constraint>,
     /// Plain argmax with nothing reported: the backend may pick the token itself.
     device_greedy: bool,
@@ -375,6 +380,14 @@ struct Sequence<'t, S> {
     done: bool,
     /// Finished with a stop or the length limit: its state is consistent and may be cached.
     finished: bool,
+}
+
+impl<S> Sequence<'_, S> {
+    /// Whether the end-of-sequence ids are still banned (`min_tokens` not yet reached), which
+    /// takes the logits to the host.
+    fn holds_back_eos(&self) -> bool {
+        self.output.ids.len() < self.min_tokens
+    }
 }
 
 struct EngineLoop<'a, B: Backend> {
@@ -513,6 +526,8 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             next_token: None,
             logprobs: request.logprobs,
             logit_bias: request.logit_bias,
+            eos_token_ids: request.params.eos_token_ids.clone(),
+            min_tokens: request.min_tokens,
             constraint: request.constraint,
             device_greedy,
             device_sampled,
@@ -598,7 +613,9 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         let draws: Vec<Option<DeviceDraw>> = batch
             .iter_mut()
             .map(|s| {
-                if s.device_sampled {
+                if s.holds_back_eos() {
+                    None
+                } else if s.device_sampled {
                     s.sampler.device_draw(allowed)
                 } else {
                     s.device_greedy.then(|| DeviceDraw::most_likely(allowed))
@@ -606,7 +623,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             })
             .collect();
         let drawn_rows = draws.iter().flatten().count();
-        let all_greedy = batch.iter().all(|s| s.device_greedy);
+        let all_greedy = batch.iter().all(|s| s.device_greedy && !s.holds_back_eos());
         let start = Instant::now();
         let mut states: Vec<&mut B::State> = batch.iter_mut().map(|s| &mut s.state).collect();
         let result = if all_greedy {
@@ -786,6 +803,13 @@ fn choose<S>(
 ) -> Result<(u32, Option<TokenLogprobs>)> {
     for &(id, bias) in &s.logit_bias {
         logits[id as usize] += bias;
+    }
+    if s.holds_back_eos() {
+        for &id in &s.eos_token_ids {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
     }
     // Rows past the tokenizer's vocabulary (padding of the embedding) are not tokens.
     if let Some(t) = tokenizer
@@ -975,6 +999,7 @@ mod tests {
             },
             logprobs,
             logit_bias: Vec::new(),
+            min_tokens: 0,
             constraint: None,
         }
     }

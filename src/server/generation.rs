@@ -77,6 +77,8 @@ pub struct Plan {
     pub eos_token_ids: Vec<u32>,
     /// Ids that end a reply once written (see `GenerationParams::end_after_ids`).
     pub end_after_ids: Vec<u32>,
+    /// Tokens before `eos_token_ids` may end the reply.
+    pub min_tokens: usize,
     pub logit_bias: Vec<(u32, f32)>,
 }
 
@@ -200,6 +202,16 @@ impl Plan {
                 })?;
             eos_token_ids.push(id);
         }
+        let min_tokens = match common.min_tokens {
+            None => 0,
+            Some(m) if m >= 0 && max_tokens.is_none_or(|max| m as usize <= max) => m as usize,
+            Some(m) => {
+                return Err(ApiError::invalid(
+                    "min_tokens",
+                    format!("`min_tokens` must be between 0 and `{max_tokens_param}`, got {m}."),
+                ));
+            }
+        };
         Ok(Self {
             n,
             stream: common.stream.unwrap_or(false),
@@ -213,6 +225,7 @@ impl Plan {
             stop,
             eos_token_ids,
             end_after_ids: Vec::new(),
+            min_tokens,
             logit_bias,
         })
     }
@@ -282,6 +295,7 @@ impl Plan {
                     },
                     logprobs,
                     logit_bias: self.logit_bias.clone(),
+                    min_tokens: self.min_tokens,
                     constraint: constraint.cloned(),
                 };
                 app.engine.submit(request).map_err(ApiError::from)

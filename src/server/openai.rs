@@ -33,6 +33,8 @@ pub struct CommonFields {
     pub ignore_eos: Option<bool>,
     /// vLLM's extension: more token ids that end the reply (not emitted as text).
     pub stop_token_ids: Option<Vec<i64>>,
+    /// vLLM's extension: tokens generated before an end-of-sequence or stop token id may be.
+    pub min_tokens: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
