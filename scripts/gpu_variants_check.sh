@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Everything a device call should learn about the builds of scripts/build_variants.sh, most
+# important first, so that a call cut short (or a session with one call) still brings back the
+# most: run on the GPU machine from the repository root with `carry: ["target/variants"]`:
+#   scripts/gpu_variants_check.sh [-r ROUNDS] [-o OUT_DIR] [TEST_NAME...]
+#   1. the base build's CUDA tests named (filters of tests/cuda.rs, e.g. tests new since the last
+#      GPU run; none named: skipped);
+#   2. 4-bit decode of every variant against base (scripts/ab_decode.sh -r ROUNDS, default 1);
+#   3. scripts/gpu_server_check.py on base;
+#   4. 8-bit decode of every variant (one round);
+#   5. every other variant's CUDA tests in full.
+# OUT_DIR ($OUT by default) gets summary.txt and logs.tgz (every step's whole log): two files, well
+# inside what a device call brings back. scripts/gpu_check.sh (the full correctness check) takes
+# a call of its own: `LILY_GPU_DIR=target/variants/base scripts/gpu_check.sh`.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+rounds=1
+out="${OUT:-/tmp/lily-variants}"
+while getopts "r:o:" opt; do
+    case "$opt" in
+        r) rounds="$OPTARG" ;;
+        o) out="$OPTARG" ;;
+        *) exit 2 ;;
+    esac
+done
+shift $((OPTIND - 1))
+V=target/variants
+if ! ls $V/*/lily* >/dev/null 2>&1; then
+    echo "gpu_variants_check.sh: no builds under $V (scripts/build_variants.sh makes them)" >&2
+    exit 2
+fi
+gunzip -f $V/*/*.gz 2>/dev/null
+export LILY_CACHE_DIR="${LILY_CACHE_DIR:-/tmp/lily-kernel-cache}" PYTHONUNBUFFERED=1
+logs=$(mktemp -d)/logs
+mkdir -p "$logs" "$out"
+variants=(base)
+for dir in "$V"/*/; do
+    name=$(basename "$dir")
+    [ "$name" != base ] && variants+=("$name")
+done
+labelled=()
+for name in "${variants[@]}"; do labelled+=("$name=$V/$name/lily"); done
+{
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
+    if [ $# -gt 0 ]; then
+        echo "== base: CUDA tests $*"
+        timeout 300 $V/base/cuda-tests --test-threads=1 "$@" 2>&1 | tee "$logs/base-tests.log" | tail -8
+    fi
+    echo "== 4-bit decode, $rounds round(s)"
+    scripts/ab_decode.sh -r "$rounds" -l "$logs/ab-q4" "${labelled[@]}" 2>&1 | tail -$((4 + 4 * ${#variants[@]}))
+    echo "== server on CUDA (base)"
+    timeout 180 python3 scripts/gpu_server_check.py --lily $V/base/lily 2>&1 | tee "$logs/server.log" | tail -10
+    echo "== 8-bit decode, one round"
+    scripts/ab_decode.sh -r 1 -l "$logs/ab-q8" "${labelled[@]}" -- --synthetic --quant q8 --prompt 4096 --gen 64 \
+        2>&1 | tail -$((4 + 4 * ${#variants[@]}))
+    for name in "${variants[@]:1}"; do
+        echo "== $name: CUDA tests"
+        timeout 300 "$V/$name/cuda-tests" --test-threads=1 2>&1 | tee "$logs/$name-tests.log" |
+            grep -E "^test .*FAILED|test result" | tail -10
+    done
+} 2>&1 | tee "$out/summary.txt"
+tar czf "$out/logs.tgz" -C "$(dirname "$logs")" logs
