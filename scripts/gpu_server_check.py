@@ -11,6 +11,10 @@ without it, and each server is asked:
     logits path): every reply parses and has the schema's keys;
   - `tool_choice: "required"`: the reply is a call of the tool;
   - `/v1/responses`: a completed response with output text;
+  - two greedy completions beside a sampled one, one with logprobs (its logits go to the host
+    every step), one with `min_tokens` (to the host for its first steps, then argmax on the
+    device): the same tokens (checks a sequence moving between the mixed step's host and device
+    rows);
   - all of these at once from several threads, streamed and not: every one succeeds.
 
 Usage: scripts/gpu_server_check.py --lily target/gpu/lily [--device cpu]
@@ -168,6 +172,17 @@ def streamed(server: Server) -> list[str]:
     return [] if lines and lines[-1] == "data: [DONE]" else [f"stream ended with {lines[-1:]}"]
 
 
+def host_then_device(server: Server) -> list[str]:
+    common = {"model": "lily-demo", "prompt": "The history of", "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True, "return_token_ids": True}
+    bodies = [{**common, "logprobs": 1}, {**common, "min_tokens": 5},
+              {**common, "temperature": 0.9, "seed": 4, "max_tokens": 24}]
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda b: server.post("/v1/completions", b), bodies))
+    host, switched = (r["choices"][0]["token_ids"] for r in replies[:2])
+    return [] if host == switched else [f"host-chosen {host} against host-then-device {switched}"]
+
+
 def check(lily: str, device: str) -> list[str]:
     problems = []
     cached, uncached = Server(lily, device), Server(lily, device, "--prefix-cache", "0")
@@ -188,6 +203,7 @@ def check(lily: str, device: str) -> list[str]:
             print(f"{name} turn: greedy replies {'equal' if same else 'differ (near-tie rounding?)'}")
         for server in (cached, uncached):
             problems += structured(server) + forced_call(server) + responses_api(server)
+            problems += host_then_device(server)
             with ThreadPoolExecutor(8) as pool:
                 jobs = [pool.submit(job, server) for job in (structured, forced_call, responses_api, streamed) * 2]
                 for job in jobs:
