@@ -145,11 +145,11 @@ fn device_argmax_matches_host_argmax_and_forks_continue_identically() {
     gpu.new_state().expect("a dropped state frees its slot");
 }
 
-/// Pipelined runs (each step queued before the previous id is read back) pass the ids that
-/// step-by-step decoding chooses, greedy and drawn, stop when told, and end at the context limit
-/// with the same ids and the same error.
+/// Runs (`decode_run`, which a backend may pipeline, queueing each step before the previous id
+/// is read back) pass the ids that step-by-step decoding chooses, greedy and drawn, stop when
+/// told, and end at the context limit with the same ids and the same error.
 #[test]
-fn pipelined_runs_choose_the_step_by_step_ids() {
+fn decode_runs_choose_the_step_by_step_ids() {
     let dir = &fixtures()[0];
     let model = Model::load(dir).unwrap();
     let prompt = &prompts(dir)[0];

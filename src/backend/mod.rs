@@ -134,7 +134,8 @@ pub trait Backend {
     /// `choice` says. It takes the state because a backend may already have appended the last
     /// id passed when `on_token` says stop: one that queues each step before reading the
     /// previous one's id back, so that the host's round trip and `on_token`'s own work overlap
-    /// the device's (for CUDA, `docs/experiments/cuda-pipelined-run.patch`, not yet run on a GPU).
+    /// the device's. (The CUDA backend takes this step-by-step version: its pipelined one
+    /// measured 3-6% slower, `docs/BENCHMARKS.md`, thirty-third session.)
     fn decode_run(
         &self,
         mut state: Self::State,
