@@ -12,7 +12,7 @@ use axum::response::Response;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::errors::{ApiError, JsonObject, fields};
+use super::errors::{ApiError, JsonObject, fields, unread_by, warn_unread};
 use super::generation::{
     MAX_TOP_LOGPROBS, Plan, Shape, log_answered, merged_events, off_the_workers,
 };
@@ -74,6 +74,10 @@ pub struct QueuedChat {
 pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, ApiError> {
     let common: CommonFields = fields(&body)?;
     let chat: ChatFields = fields(&body)?;
+    warn_unread(
+        "/v1/chat/completions",
+        &[unread_by::<CommonFields>(&body), unread_by::<ChatFields>(&body)],
+    );
     let max_tokens = match (chat.max_completion_tokens, common.max_tokens) {
         (Some(m), _) => Some((m, "max_completion_tokens")),
         (None, Some(m)) => Some((m, "max_tokens")),

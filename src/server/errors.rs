@@ -1,6 +1,8 @@
 //! OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with an HTTP status,
 //! and the JSON body extractor that turns unreadable requests into them.
 
+use std::collections::BTreeSet;
+
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::http::{HeaderValue, StatusCode, header};
@@ -201,4 +203,82 @@ pub fn fields<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
             error
         }
     })
+}
+
+/// OpenAI request fields for OpenAI's own bookkeeping, which change nothing lily computes:
+/// taken without a word.
+const BOOKKEEPING_FIELDS: [&str; 5] = [
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+];
+
+/// The top-level fields of `body` that `T` does not read.
+pub fn unread_by<T: DeserializeOwned>(body: &Value) -> BTreeSet<String> {
+    let mut unread = BTreeSet::new();
+    let _ = serde_ignored::deserialize(body, |path| {
+        if let serde_ignored::Path::Map { parent, key } = path
+            && matches!(parent, serde_ignored::Path::Root)
+        {
+            unread.insert(key);
+        }
+    })
+    .map(|_: T| ());
+    unread
+}
+
+/// The fields of a request that none of its readers read (each set from [`unread_by`]),
+/// bookkeeping aside.
+pub fn unread_fields(readers: &[BTreeSet<String>]) -> Vec<String> {
+    let Some((first, rest)) = readers.split_first() else {
+        return Vec::new();
+    };
+    first
+        .iter()
+        .filter(|f| rest.iter().all(|r| r.contains(*f)))
+        .filter(|f| !BOOKKEEPING_FIELDS.contains(&f.as_str()))
+        .cloned()
+        .collect()
+}
+
+/// Logs the fields of a request that lily ignored (OpenAI's API refuses unknown fields; lily
+/// takes them, as vLLM does, since clients send other servers' extensions, and says so).
+pub fn warn_unread(endpoint: &str, readers: &[BTreeSet<String>]) {
+    let unread = unread_fields(readers);
+    if !unread.is_empty() {
+        tracing::warn!(endpoint, fields = ?unread, "request fields lily does not take were ignored");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::Deserialize;
+    use serde_json::json;
+
+    use super::*;
+
+    #[derive(Deserialize)]
+    struct Common {
+        _model: Option<String>,
+    }
+
+    #[derive(Deserialize)]
+    struct Chat {
+        _messages: Vec<Value>,
+        #[serde(rename = "max_completion_tokens")]
+        _max: Option<i64>,
+    }
+
+    #[test]
+    fn unread_fields_are_those_no_reader_takes_bookkeeping_aside() {
+        let body = json!({"_model": "m", "_messages": [{"role": "user", "x": 1}],
+                          "max_completion_tokens": 3, "frobnicate": true, "user": "u",
+                          "stop_sequences": ["a"]});
+        let readers = [unread_by::<Common>(&body), unread_by::<Chat>(&body)];
+        assert!(readers[0].contains("_messages") && readers[1].contains("_model"));
+        assert_eq!(unread_fields(&readers), ["frobnicate", "stop_sequences"]);
+        assert!(unread_fields(&[]).is_empty());
+    }
 }

@@ -172,7 +172,7 @@ pub struct CompletionFields {
     pub response_format: Option<ResponseFormat>,
 }
 
-/// `prompt`: text, token ids, or a one-element batch of either.
+/// `prompt`: text, token ids, or a batch of either.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub enum Prompt {
