@@ -76,7 +76,10 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
     let chat: ChatFields = fields(&body)?;
     warn_unread(
         "/v1/chat/completions",
-        &[unread_by::<CommonFields>(&body), unread_by::<ChatFields>(&body)],
+        &[
+            unread_by::<CommonFields>(&body),
+            unread_by::<ChatFields>(&body),
+        ],
     );
     let max_tokens = match (chat.max_completion_tokens, common.max_tokens) {
         (Some(m), _) => Some((m, "max_completion_tokens")),

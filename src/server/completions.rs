@@ -32,7 +32,10 @@ pub async fn completions(
     let fields: CompletionFields = fields(&body)?;
     warn_unread(
         "/v1/completions",
-        &[unread_by::<CommonFields>(&body), unread_by::<CompletionFields>(&body)],
+        &[
+            unread_by::<CommonFields>(&body),
+            unread_by::<CompletionFields>(&body),
+        ],
     );
     let max_tokens = common.max_tokens.map(|m| (m, "max_tokens"));
     let plan = Plan::read(common, max_tokens, &app)?;
