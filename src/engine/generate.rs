@@ -72,6 +72,11 @@ impl<'t> Output<'t> {
         }
     }
 
+    /// The ids that end generation unwritten.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
     /// Leaves special tokens (`<|im_start|>`, say) out of the text; tags the model writes as text
     /// (`<think>`, `<tool_call>`) are not special and stay.
     pub fn skipping_special_tokens(mut self) -> Self {

@@ -366,8 +366,7 @@ struct Sequence<'t, S> {
     next_token: Option<u32>,
     logprobs: Option<usize>,
     logit_bias: Vec<(u32, f32)>,
-    /// The end-of-sequence ids, banned while fewer than `min_tokens` tokens are out.
-    eos_token_ids: Vec<u32>,
+    /// The end-of-sequence ids are banned while fewer than this many tokens are out.
     min_tokens: usize,
     constraint: Option<Constraint>,
     /// Plain argmax with nothing reported: the backend may pick the token itself.
@@ -526,7 +525,6 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             next_token: None,
             logprobs: request.logprobs,
             logit_bias: request.logit_bias,
-            eos_token_ids: request.params.eos_token_ids.clone(),
             min_tokens: request.min_tokens,
             constraint: request.constraint,
             device_greedy,
@@ -633,7 +631,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         } else if drawn_rows == 0 || !self.backend.samples_on_device() {
             self.backend
                 .decode(&mut states, &tokens)
-                .map(Chosen::Logits)
+                .map(|logits| Chosen::Mixed(vec![None; tokens.len()], logits))
         } else if drawn_rows == draws.len() {
             let draws: Vec<DeviceDraw> = draws.into_iter().flatten().collect();
             self.backend
@@ -673,15 +671,6 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
                         },
                     };
                     match chosen {
-                        Ok(chosen) => emit(s, chosen, metrics),
-                        Err(e) => fail(s, &e, metrics),
-                    }
-                }
-            }
-            Ok(Chosen::Logits(mut logits)) => {
-                let vocab = self.backend.config().vocab_size;
-                for (s, row) in batch.into_iter().zip(logits.chunks_exact_mut(vocab)) {
-                    match choose(s, row, self.tokenizer) {
                         Ok(chosen) => emit(s, chosen, metrics),
                         Err(e) => fail(s, &e, metrics),
                     }
@@ -792,7 +781,6 @@ enum Chosen {
     /// Each row's draw by the backend (the samplers record them), or `None` for the rows whose
     /// logits follow, in order, for the host to choose from.
     Mixed(Vec<Option<u32>>, Vec<f32>),
-    Logits(Vec<f32>),
 }
 
 /// Samples the next token of `s` from its logits, with the requested log-probabilities.
@@ -805,7 +793,7 @@ fn choose<S>(
         logits[id as usize] += bias;
     }
     if s.holds_back_eos() {
-        for &id in &s.eos_token_ids {
+        for &id in s.output.eos_token_ids() {
             if let Some(l) = logits.get_mut(id as usize) {
                 *l = f32::NEG_INFINITY;
             }

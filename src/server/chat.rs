@@ -12,7 +12,7 @@ use axum::response::Response;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::errors::{ApiError, JsonObject, fields, unread_by, warn_unread};
+use super::errors::{ApiError, JsonObject, fields_and_unread, warn_unread};
 use super::generation::{
     MAX_TOP_LOGPROBS, Plan, Shape, log_answered, merged_events, off_the_workers,
 };
@@ -72,15 +72,9 @@ pub struct QueuedChat {
 
 /// Checks a chat completion request, renders its conversation and queues its choices.
 pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, ApiError> {
-    let common: CommonFields = fields(&body)?;
-    let chat: ChatFields = fields(&body)?;
-    warn_unread(
-        "/v1/chat/completions",
-        &[
-            unread_by::<CommonFields>(&body),
-            unread_by::<ChatFields>(&body),
-        ],
-    );
+    let (common, common_unread) = fields_and_unread::<CommonFields>(&body)?;
+    let (chat, chat_unread) = fields_and_unread::<ChatFields>(&body)?;
+    warn_unread("/v1/chat/completions", &[common_unread, chat_unread]);
     let max_tokens = match (chat.max_completion_tokens, common.max_tokens) {
         (Some(m), _) => Some((m, "max_completion_tokens")),
         (None, Some(m)) => Some((m, "max_tokens")),
@@ -138,7 +132,7 @@ pub async fn queue_chat(app: &Arc<AppState>, body: Value) -> Result<QueuedChat, 
     let grammar_app = app.clone();
     let parallel = chat.parallel_tool_calls.unwrap_or(true);
     // One call at most: the reply ends with the first call's closing tag (a single token in
-    // Qwen's vocabulary; the parser keeps the first call where it is not).
+    // Qwen's vocabulary; a tokenizer without it as one token leaves the reply unbounded).
     if parse_tool_calls && !parallel && forced_call.is_none() {
         plan.end_after_ids
             .extend(tokenizer.token_id("</tool_call>"));

@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 
 use super::chat::json_schema_of;
 use super::chat::token_text;
-use super::errors::{ApiError, JsonObject, fields, unread_by, warn_unread};
+use super::errors::{ApiError, JsonObject, fields_and_unread, warn_unread};
 use super::generation::{
     MAX_TOP_LOGPROBS, Plan, Shape, log_answered, merged_events, off_the_workers,
 };
@@ -28,15 +28,9 @@ pub async fn completions(
     State(app): State<Arc<AppState>>,
     JsonObject(body): JsonObject,
 ) -> Result<Response, ApiError> {
-    let common: CommonFields = fields(&body)?;
-    let fields: CompletionFields = fields(&body)?;
-    warn_unread(
-        "/v1/completions",
-        &[
-            unread_by::<CommonFields>(&body),
-            unread_by::<CompletionFields>(&body),
-        ],
-    );
+    let (common, common_unread) = fields_and_unread::<CommonFields>(&body)?;
+    let (fields, fields_unread) = fields_and_unread::<CompletionFields>(&body)?;
+    warn_unread("/v1/completions", &[common_unread, fields_unread]);
     let max_tokens = common.max_tokens.map(|m| (m, "max_tokens"));
     let plan = Plan::read(common, max_tokens, &app)?;
     if fields.suffix.as_deref().is_some_and(|s| !s.is_empty()) {

@@ -185,24 +185,44 @@ impl<S: Send + Sync> FromRequest<S> for JsonObject {
 
 /// Reads the fields `T` describes from a request body, naming the field at fault on error.
 pub fn fields<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(body).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        let message = inner.to_string();
-        if path == "." {
-            // serde names a missing field only in its message: "missing field `x`".
-            let mut error = ApiError::invalid(None, message.clone());
-            error.param = message
-                .strip_prefix("missing field `")
-                .and_then(|rest| rest.split('`').next())
-                .map(str::to_owned);
-            error
-        } else {
-            let mut error = ApiError::invalid(None, format!("`{path}`: {message}"));
-            error.param = Some(path);
-            error
+    serde_path_to_error::deserialize(body).map_err(field_error)
+}
+
+/// [`fields`], and the body's top-level fields that `T` does not read (for [`warn_unread`]),
+/// in the same pass.
+pub fn fields_and_unread<T: DeserializeOwned>(
+    body: &Value,
+) -> Result<(T, BTreeSet<String>), ApiError> {
+    let mut unread = BTreeSet::new();
+    let mut note = |path: serde_ignored::Path| {
+        if let serde_ignored::Path::Map { parent, key } = path
+            && matches!(parent, serde_ignored::Path::Root)
+        {
+            unread.insert(key);
         }
-    })
+    };
+    let noting = serde_ignored::Deserializer::new(body, &mut note);
+    let value = serde_path_to_error::deserialize(noting).map_err(field_error)?;
+    Ok((value, unread))
+}
+
+fn field_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    let message = inner.to_string();
+    if path == "." {
+        // serde names a missing field only in its message: "missing field `x`".
+        let mut error = ApiError::invalid(None, message.clone());
+        error.param = message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split('`').next())
+            .map(str::to_owned);
+        error
+    } else {
+        let mut error = ApiError::invalid(None, format!("`{path}`: {message}"));
+        error.param = Some(path);
+        error
+    }
 }
 
 /// OpenAI request fields for OpenAI's own bookkeeping, which change nothing lily computes:
@@ -215,22 +235,8 @@ const BOOKKEEPING_FIELDS: [&str; 5] = [
     "safety_identifier",
 ];
 
-/// The top-level fields of `body` that `T` does not read.
-pub fn unread_by<T: DeserializeOwned>(body: &Value) -> BTreeSet<String> {
-    let mut unread = BTreeSet::new();
-    let _ = serde_ignored::deserialize(body, |path| {
-        if let serde_ignored::Path::Map { parent, key } = path
-            && matches!(parent, serde_ignored::Path::Root)
-        {
-            unread.insert(key);
-        }
-    })
-    .map(|_: T| ());
-    unread
-}
-
-/// The fields of a request that none of its readers read (each set from [`unread_by`]),
-/// bookkeeping aside.
+/// The fields of a request that none of its readers read (each set from
+/// [`fields_and_unread`]), bookkeeping aside.
 pub fn unread_fields(readers: &[BTreeSet<String>]) -> Vec<String> {
     let Some((first, rest)) = readers.split_first() else {
         return Vec::new();
@@ -276,7 +282,10 @@ mod tests {
         let body = json!({"_model": "m", "_messages": [{"role": "user", "x": 1}],
                           "max_completion_tokens": 3, "frobnicate": true, "user": "u",
                           "stop_sequences": ["a"]});
-        let readers = [unread_by::<Common>(&body), unread_by::<Chat>(&body)];
+        let readers = [
+            fields_and_unread::<Common>(&body).unwrap().1,
+            fields_and_unread::<Chat>(&body).unwrap().1,
+        ];
         assert!(readers[0].contains("_messages") && readers[1].contains("_model"));
         assert_eq!(unread_fields(&readers), ["frobnicate", "stop_sequences"]);
         assert!(unread_fields(&[]).is_empty());

@@ -90,11 +90,7 @@ impl Plan {
         max_tokens: Option<(i64, &'static str)>,
         app: &AppState,
     ) -> Result<Self, ApiError> {
-        if let Some(model) = &common.model
-            && !app.model_names().any(|name| name == model)
-        {
-            return Err(ApiError::model_not_found(model));
-        }
+        app.check_model(common.model.as_deref())?;
         let n = match common.n {
             None => 1,
             Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,

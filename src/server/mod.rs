@@ -243,6 +243,16 @@ impl AppState {
     pub fn model_names(&self) -> impl Iterator<Item = &str> {
         self.model.names.iter().map(String::as_str)
     }
+
+    /// A request's `model`, if given, must be one of the names the model is served under.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if !self.model_names().any(|name| name == m) => {
+                Err(ApiError::model_not_found(m))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 pub fn unix_now() -> u64 {
@@ -359,11 +369,8 @@ async fn get_model(
     id: Result<UrlPath<String>, PathRejection>,
 ) -> Result<Json<ModelCard>, ApiError> {
     let UrlPath(id) = id.map_err(|e| ApiError::invalid("model", e.body_text()))?;
-    if app.model_names().any(|name| name == id) {
-        Ok(Json(model_card(&app)))
-    } else {
-        Err(ApiError::model_not_found(&id))
-    }
+    app.check_model(Some(&id))?;
+    Ok(Json(model_card(&app)))
 }
 
 /// Reads every page of a memory-mapped checkpoint before serving, with a progress bar, so the

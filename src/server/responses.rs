@@ -27,23 +27,12 @@ pub async fn responses(
     let chat = chat_request(&body)?;
     let queued = queue_chat(&app, chat).await.map_err(responses_param)?;
     let stream = queued.plan.stream;
-    let reply = ResponseReply {
-        id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
-        created_at: unix_now(),
-        model: app.model.name().to_owned(),
-        echo: echoed_fields(&body),
-        choice: ChoiceOutput::new(&queued),
-        prompt_tokens: queued.prompt.len(),
-        cached_tokens: 0,
-        completion_tokens: 0,
-        reasoning_tokens: 0,
-        output: Vec::new(),
-        open: None,
-        events: Vec::new(),
-        sequence: 0,
-        status: None,
-        started: Instant::now(),
-    };
+    let reply = ResponseReply::new(
+        app.model.name(),
+        echoed_fields(&body),
+        ChoiceOutput::new(&queued),
+        queued.prompt.len(),
+    );
     respond(merged_events(queued.receivers), reply, stream).await
 }
 
@@ -460,6 +449,32 @@ struct ResponseReply {
 }
 
 impl ResponseReply {
+    /// A response to a prompt of `prompt_tokens`, nothing generated yet.
+    fn new(
+        model: &str,
+        echo: Map<String, Value>,
+        choice: ChoiceOutput,
+        prompt_tokens: usize,
+    ) -> Self {
+        Self {
+            id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
+            created_at: unix_now(),
+            model: model.to_owned(),
+            echo,
+            choice,
+            prompt_tokens,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            reasoning_tokens: 0,
+            output: Vec::new(),
+            open: None,
+            events: Vec::new(),
+            sequence: 0,
+            status: None,
+            started: Instant::now(),
+        }
+    }
+
     fn emit(&mut self, kind: &'static str, mut fields: Value) {
         fields["type"] = json!(kind);
         fields["sequence_number"] = json!(self.sequence);
@@ -806,23 +821,12 @@ mod tests {
         let tools =
             serde_json::from_value(json!([{"type": "function", "function": {"name": "f"}}]))
                 .unwrap();
-        let mut reply = ResponseReply {
-            id: "resp_1".into(),
-            created_at: 0,
-            model: "m".into(),
-            echo: echoed_fields(&json!({})),
-            choice: ChoiceOutput::sorting(true, Some(tools), None),
-            prompt_tokens: 3,
-            cached_tokens: 0,
-            completion_tokens: 0,
-            reasoning_tokens: 0,
-            output: Vec::new(),
-            open: None,
-            events: Vec::new(),
-            sequence: 0,
-            status: None,
-            started: Instant::now(),
-        };
+        let mut reply = ResponseReply::new(
+            "m",
+            echoed_fields(&json!({})),
+            ChoiceOutput::sorting(true, Some(tools), None),
+            3,
+        );
         let texts = [
             "Let me ",
             "think.",

@@ -14,6 +14,7 @@ use super::chat::template_context;
 use super::errors::{ApiError, JsonObject, fields};
 use super::generation::off_the_workers;
 use super::openai::ChatMessage;
+use crate::text::tokenizer::Tokenizer;
 
 /// The fields of a `/tokenize` request: `prompt`, or `messages` with the chat fields that shape
 /// the rendered conversation (`tools` and `tool_choice` are read from the body as chat reads
@@ -35,11 +36,19 @@ struct DetokenizeFields {
     tokens: Vec<i64>,
 }
 
-fn check_model(app: &AppState, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if !app.model_names().any(|name| name == m) => Err(ApiError::model_not_found(m)),
-        _ => Ok(()),
-    }
+/// The served tokenizer, for a request naming `model` (if it does) to `verb` with it.
+fn served_tokenizer(
+    app: &AppState,
+    model: Option<&str>,
+    verb: &str,
+) -> Result<Arc<Tokenizer>, ApiError> {
+    app.check_model(model)?;
+    app.model.tokenizer.clone().ok_or_else(|| {
+        ApiError::invalid(
+            None,
+            format!("This model has no tokenizer (tokenizer.json) to {verb} with."),
+        )
+    })
 }
 
 pub async fn tokenize(
@@ -47,13 +56,7 @@ pub async fn tokenize(
     JsonObject(body): JsonObject,
 ) -> Result<Json<Value>, ApiError> {
     let f: TokenizeFields = fields(&body)?;
-    check_model(&app, f.model.as_deref())?;
-    let Some(tokenizer) = app.model.tokenizer.clone() else {
-        return Err(ApiError::invalid(
-            None,
-            "This model has no tokenizer (tokenizer.json) to tokenize with.",
-        ));
-    };
+    let tokenizer = served_tokenizer(&app, f.model.as_deref(), "tokenize")?;
     let text = match (f.prompt, f.messages) {
         (Some(prompt), None) => prompt,
         (None, Some(messages)) => {
@@ -101,13 +104,7 @@ pub async fn detokenize(
     JsonObject(body): JsonObject,
 ) -> Result<Json<Value>, ApiError> {
     let f: DetokenizeFields = fields(&body)?;
-    check_model(&app, f.model.as_deref())?;
-    let Some(tokenizer) = app.model.tokenizer.clone() else {
-        return Err(ApiError::invalid(
-            None,
-            "This model has no tokenizer (tokenizer.json) to detokenize with.",
-        ));
-    };
+    let tokenizer = served_tokenizer(&app, f.model.as_deref(), "detokenize")?;
     let vocab = tokenizer.vocab_size();
     let ids = f
         .tokens
