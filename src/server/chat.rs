@@ -757,7 +757,7 @@ fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
     tokenizer.token_bytes(id).unwrap_or_default()
 }
 
-fn token_logprob(tokenizer: &Tokenizer, id: u32, l: &TokenLogprobs) -> ChatTokenLogprob {
+pub fn token_logprob(tokenizer: &Tokenizer, id: u32, l: &TokenLogprobs) -> ChatTokenLogprob {
     let token = token_text(tokenizer, id);
     ChatTokenLogprob {
         bytes: token_bytes(tokenizer, id),

@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::response::Response;
 use serde_json::{Map, Value, json};
 
-use super::chat::{ChoiceOutput, queue_chat};
+use super::chat::{ChoiceOutput, queue_chat, token_logprob};
 use super::errors::{ApiError, JsonObject};
 use super::generation::{log_answered, merged_events};
 use super::openai::{AssistantMessage, Usage};
@@ -19,6 +19,7 @@ use super::stream::{self, ChunkWriter, SseChunk, respond};
 use super::{AppState, unix_now};
 use crate::engine::generate::FinishReason;
 use crate::engine::scheduler::Event;
+use crate::text::tokenizer::Tokenizer;
 
 pub async fn responses(
     State(app): State<Arc<AppState>>,
@@ -32,6 +33,7 @@ pub async fn responses(
         echoed_fields(&body),
         ChoiceOutput::new(&queued),
         queued.prompt.len(),
+        queued.tokenizer.clone(),
     );
     respond(merged_events(queued.receivers), reply, stream).await
 }
@@ -78,6 +80,12 @@ fn chat_request(body: &Value) -> Result<Value, ApiError> {
     if let Some(m) = body.get("max_output_tokens").filter(|m| !m.is_null()) {
         chat.insert("max_completion_tokens".into(), m.clone());
     }
+    if includes_logprobs(body)? {
+        chat.insert("logprobs".into(), Value::Bool(true));
+        if let Some(k) = body.get("top_logprobs").filter(|k| !k.is_null()) {
+            chat.insert("top_logprobs".into(), k.clone());
+        }
+    }
     chat.insert("messages".into(), Value::Array(messages(body)?));
     if let Some(tools) = body.get("tools").filter(|t| !t.is_null()) {
         chat.insert("tools".into(), chat_tools(tools)?);
@@ -95,6 +103,23 @@ fn chat_request(body: &Value) -> Result<Value, ApiError> {
         chat.insert("reasoning_effort".into(), effort.clone());
     }
     Ok(Value::Object(chat))
+}
+
+/// Whether `include` asks for the message's log-probabilities (as OpenAI, `top_logprobs` alone
+/// asks for nothing). The other values name output lily does not make, and are let pass.
+fn includes_logprobs(body: &Value) -> Result<bool, ApiError> {
+    let bad = || ApiError::invalid("include", "`include` is an array of strings.");
+    match body.get("include") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Array(values)) => {
+            let mut found = false;
+            for v in values {
+                found |= v.as_str().ok_or_else(bad)? == "message.output_text.logprobs";
+            }
+            Ok(found)
+        }
+        Some(_) => Err(bad()),
+    }
 }
 
 /// `instructions` and `input` as chat messages: input messages as they are (text parts only),
@@ -351,6 +376,7 @@ fn echoed_fields(body: &Value) -> Map<String, Value> {
         ("tools", json!([])),
         ("text", json!({"format": {"type": "text"}})),
         ("reasoning", json!({"effort": null, "summary": null})),
+        ("top_logprobs", Value::Null),
     ] {
         let value = body.get(key).filter(|v| !v.is_null()).cloned();
         echo.insert(key.into(), value.unwrap_or(default));
@@ -365,6 +391,8 @@ struct OpenItem {
     kind: TextItem,
     id: String,
     text: String,
+    /// The log-probabilities of the message's tokens, when asked for.
+    logprobs: Vec<Value>,
 }
 
 /// The output items streamed as text: the thought and the message.
@@ -382,18 +410,22 @@ impl TextItem {
         }
     }
 
-    /// The item with `text` as its content; `None`: just opened, no content part yet.
-    fn item(self, id: &str, text: Option<&str>) -> Value {
+    /// The item with `text` (and its tokens' `logprobs`) as its content; `None`: just opened,
+    /// no content part yet.
+    fn item(self, id: &str, text: Option<(&str, &[Value])>) -> Value {
         match self {
             TextItem::Reasoning => {
                 let content: Vec<Value> = text
-                    .map(|t| json!({"type": "reasoning_text", "text": t}))
+                    .map(|(t, _)| json!({"type": "reasoning_text", "text": t}))
                     .into_iter()
                     .collect();
                 json!({"id": id, "type": "reasoning", "summary": [], "content": content})
             }
             TextItem::Message => {
-                let content: Vec<Value> = text.map(output_text).into_iter().collect();
+                let content: Vec<Value> = text
+                    .map(|(t, logprobs)| output_text(t, logprobs))
+                    .into_iter()
+                    .collect();
                 let status = if text.is_some() {
                     "completed"
                 } else {
@@ -415,11 +447,12 @@ impl TextItem {
         }
     }
 
-    /// Fields of its text events beside the text: output text carries (empty) logprobs.
-    fn text_fields(self, id: &str, index: usize) -> Value {
+    /// Fields of its text events beside the text: output text carries its tokens' logprobs
+    /// (empty unless asked for).
+    fn text_fields(self, id: &str, index: usize, logprobs: &[Value]) -> Value {
         let mut fields = json!({"item_id": id, "output_index": index, "content_index": 0});
         if self == TextItem::Message {
-            fields["logprobs"] = json!([]);
+            fields["logprobs"] = json!(logprobs);
         }
         fields
     }
@@ -441,6 +474,10 @@ struct ResponseReply {
     /// Finished output items.
     output: Vec<Value>,
     open: Option<OpenItem>,
+    /// The log-probabilities of tokens whose text is held back (it may open a tool call or
+    /// close the thought): they go to the message if their text lands there.
+    pending_logprobs: Vec<Value>,
+    tokenizer: Arc<Tokenizer>,
     events: Vec<SseChunk>,
     sequence: usize,
     /// `completed` or `incomplete`, once finished.
@@ -455,6 +492,7 @@ impl ResponseReply {
         echo: Map<String, Value>,
         choice: ChoiceOutput,
         prompt_tokens: usize,
+        tokenizer: Arc<Tokenizer>,
     ) -> Self {
         Self {
             id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
@@ -468,6 +506,8 @@ impl ResponseReply {
             reasoning_tokens: 0,
             output: Vec::new(),
             open: None,
+            pending_logprobs: Vec::new(),
+            tokenizer,
             events: Vec::new(),
             sequence: 0,
             status: None,
@@ -530,7 +570,14 @@ impl ResponseReply {
     fn apply(&mut self, event: Event) -> Result<(), ApiError> {
         self.start_if_first();
         match event {
-            Event::Token { text, .. } => {
+            Event::Token { id, text, logprobs } => {
+                if let Some(l) = logprobs {
+                    // Through its text, so that the f32 logprobs read as chat writes them
+                    // (-0.5566907, not the f64 widening -0.5566906929016113).
+                    let entry = serde_json::to_string(&token_logprob(&self.tokenizer, id, &l))
+                        .and_then(|text| serde_json::from_str(&text));
+                    self.pending_logprobs.push(entry.unwrap_or(Value::Null));
+                }
                 let delta = self.choice.push(&text, false);
                 // A token whose text is held back belongs to the item being written.
                 let thinking = match (&delta.reasoning_content, &delta.content) {
@@ -574,12 +621,24 @@ impl ResponseReply {
         Ok(())
     }
 
+    /// Adds a delta's text and calls to the output. The held-back tokens' logprobs go with its
+    /// message text; a delta of only thought or calls shows they were not the message's.
     fn apply_delta(&mut self, delta: AssistantMessage) {
         if let Some(text) = delta.reasoning_content {
-            self.push_text(TextItem::Reasoning, text);
+            self.push_text(TextItem::Reasoning, text, Vec::new());
         }
         if let Some(text) = delta.content {
-            self.push_text(TextItem::Message, text);
+            let logprobs = std::mem::take(&mut self.pending_logprobs);
+            self.push_text(TextItem::Message, text, logprobs);
+        } else if !delta.tool_calls.is_empty()
+            || self
+                .open
+                .as_ref()
+                .is_some_and(|o| o.kind == TextItem::Reasoning)
+        {
+            // Text held back inside the thought (`</think>` and the newlines after it) is
+            // counted with the thought, as `reasoning_tokens` counts it.
+            self.pending_logprobs.clear();
         }
         for call in delta.tool_calls {
             self.close_open();
@@ -611,8 +670,9 @@ impl ResponseReply {
         }
     }
 
-    /// Adds text to the item of its kind, opening it (and closing any other) first.
-    fn push_text(&mut self, kind: TextItem, text: String) {
+    /// Adds text (and its tokens' logprobs) to the item of its kind, opening it (and closing
+    /// any other) first.
+    fn push_text(&mut self, kind: TextItem, text: String, logprobs: Vec<Value>) {
         if self.open.as_ref().map(|o| o.kind) != Some(kind) {
             self.close_open();
         }
@@ -628,20 +688,22 @@ impl ResponseReply {
                 self.emit(
                     "response.content_part.added",
                     json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "part": output_text("")}),
+                           "part": output_text("", &[])}),
                 );
             }
             self.open = Some(OpenItem {
                 kind,
                 id,
                 text: String::new(),
+                logprobs: Vec::new(),
             });
         }
         let Some(open) = &mut self.open else {
             return;
         };
         open.text.push_str(&text);
-        let mut fields = kind.text_fields(&open.id, index);
+        let mut fields = kind.text_fields(&open.id, index, &logprobs);
+        open.logprobs.extend(logprobs);
         fields["delta"] = json!(text);
         self.emit(kind.text_event(false), fields);
     }
@@ -649,20 +711,26 @@ impl ResponseReply {
     /// Finishes the item being streamed, if any.
     fn close_open(&mut self) {
         let index = self.output.len();
-        let Some(OpenItem { kind, id, text }) = self.open.take() else {
+        let Some(OpenItem {
+            kind,
+            id,
+            text,
+            logprobs,
+        }) = self.open.take()
+        else {
             return;
         };
-        let mut fields = kind.text_fields(&id, index);
+        let mut fields = kind.text_fields(&id, index, &logprobs);
         fields["text"] = json!(text);
         self.emit(kind.text_event(true), fields);
         if kind == TextItem::Message {
             self.emit(
                 "response.content_part.done",
                 json!({"item_id": id, "output_index": index, "content_index": 0,
-                       "part": output_text(&text)}),
+                       "part": output_text(&text, &logprobs)}),
             );
         }
-        let item = kind.item(&id, Some(&text));
+        let item = kind.item(&id, Some((&text, &logprobs)));
         self.emit(
             "response.output_item.done",
             json!({"output_index": index, "item": item}),
@@ -680,8 +748,8 @@ impl ResponseReply {
     }
 }
 
-fn output_text(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+fn output_text(text: &str, logprobs: &[Value]) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs})
 }
 
 impl ChunkWriter for ResponseReply {
@@ -731,6 +799,8 @@ impl stream::Reply for ResponseReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::sampler::TokenLogprob;
+    use crate::engine::scheduler::TokenLogprobs;
 
     #[test]
     fn input_items_become_chat_messages() {
@@ -789,14 +859,27 @@ mod tests {
         assert_eq!(chat["reasoning_effort"], "none");
     }
 
-    /// The events a reply makes, each event's JSON.
+    /// A reply to nothing in particular, sorted as `choice` says.
+    fn reply(choice: ChoiceOutput) -> ResponseReply {
+        let tokenizer = Arc::new(crate::model::demo::demo().unwrap().tokenizer);
+        ResponseReply::new("m", echoed_fields(&json!({})), choice, 3, tokenizer)
+    }
+
+    /// The events a reply makes, each event's JSON. Token i (id i) has logprob -(i + 1) when
+    /// `choice` was made with logprobs.
     fn streamed(reply: &mut ResponseReply, texts: &[&str]) -> Vec<Value> {
         let mut chunks = reply.on_start();
         for (id, text) in texts.iter().enumerate() {
             let token = Event::Token {
                 id: id as u32,
                 text: (*text).to_owned(),
-                logprobs: None,
+                logprobs: Some(TokenLogprobs {
+                    logprob: -(id as f32 + 1.0),
+                    top: vec![TokenLogprob {
+                        token_id: 7,
+                        logprob: -0.5,
+                    }],
+                }),
             };
             chunks.extend(reply.on_event(0, token).unwrap());
         }
@@ -821,12 +904,7 @@ mod tests {
         let tools =
             serde_json::from_value(json!([{"type": "function", "function": {"name": "f"}}]))
                 .unwrap();
-        let mut reply = ResponseReply::new(
-            "m",
-            echoed_fields(&json!({})),
-            ChoiceOutput::sorting(true, Some(tools), None),
-            3,
-        );
+        let mut reply = reply(ChoiceOutput::sorting(true, Some(tools), Some(1)));
         let texts = [
             "Let me ",
             "think.",
@@ -884,6 +962,44 @@ mod tests {
             events[18]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"],
             3
         );
+        // Only the message's tokens carry logprobs: not the thought's, the `</think>` token's
+        // or the call's; each delta its own, the text's end and the output all of them.
+        let logprobs = |e: &Value| -> Vec<f64> {
+            e.as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l["logprob"].as_f64().unwrap())
+                .collect()
+        };
+        assert_eq!(logprobs(&events[9]["logprobs"]), [-4.0]);
+        assert_eq!(logprobs(&events[10]["logprobs"]), [-5.0]);
+        assert_eq!(logprobs(&events[11]["logprobs"]), [-4.0, -5.0]);
+        assert_eq!(logprobs(&output[1]["content"][0]["logprobs"]), [-4.0, -5.0]);
+        let first = &output[1]["content"][0]["logprobs"][0];
+        assert_eq!(first["top_logprobs"][0]["logprob"], -0.5);
+        assert!(first["token"].is_string() && first["bytes"].is_array());
+    }
+
+    #[test]
+    fn logprobs_are_asked_for_through_include() {
+        let input = json!({"input": "Hi", "top_logprobs": 3});
+        let chat = chat_request(&input).unwrap();
+        assert!(chat.get("logprobs").is_none() && chat.get("top_logprobs").is_none());
+        let mut asked = input.clone();
+        asked["include"] = json!([
+            "reasoning.encrypted_content",
+            "message.output_text.logprobs"
+        ]);
+        let chat = chat_request(&asked).unwrap();
+        assert_eq!(chat["logprobs"], true);
+        assert_eq!(chat["top_logprobs"], 3);
+        for bad in [json!("message.output_text.logprobs"), json!([1])] {
+            asked["include"] = bad;
+            assert_eq!(
+                chat_request(&asked).unwrap_err().param.as_deref(),
+                Some("include")
+            );
+        }
     }
 
     #[test]

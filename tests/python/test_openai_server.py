@@ -475,6 +475,19 @@ def test_responses_api_whole_streamed_and_agent_loop(demo):
     assert [item.type for item in answer.output] == ["message"]
     assert answer.output_text
 
+    # Logprobs through `include`: the message's tokens, as chat reports them for the same reply.
+    scored = client.responses.create(input="Hi", max_output_tokens=8, top_logprobs=2,
+                                     include=["message.output_text.logprobs"], **no_thinking)
+    (text,) = scored.output[0].content
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], max_tokens=8, logprobs=True, top_logprobs=2,
+        model="lily-demo", temperature=0, reasoning_effort="none",
+    )
+    assert text.text == chat.choices[0].message.content == answer.output_text
+    expected = chat.choices[0].logprobs.content
+    assert [(t.token, t.logprob) for t in text.logprobs] == [(t.token, t.logprob) for t in expected]
+    assert [len(t.top_logprobs) for t in text.logprobs] == [2] * len(expected) and expected
+
     class SetMode(BaseModel):
         mode: Literal["fast", "slow"]
         level: int = Field(ge=1, le=5)
