@@ -533,6 +533,7 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
         stop: args.stop.clone(),
         eos_token_ids: eos_token_ids(&args.model, backend.config())?,
         end_after_ids: Vec::new(),
+        min_tokens: 0,
     };
     let stream_text = !args.json;
     let mut stdout = std::io::stdout().lock();

@@ -454,8 +454,8 @@ async fn a_batch_of_prompts_gets_each_prompts_own_completions() {
 }
 
 /// vLLM's `ignore_eos` (an end-of-sequence id made certain by a bias no longer ends the reply),
-/// `stop_token_ids` (another id ends it, unwritten) and `min_tokens` (those ids are banned until
-/// that many tokens are out), on both endpoints.
+/// `stop_token_ids` (another id ends it, unwritten) and `min_tokens` (those ids are banned, and
+/// stop strings unmatched, until that many tokens are out), on both endpoints.
 #[tokio::test]
 async fn ignore_eos_stop_token_ids_and_min_tokens_move_where_the_reply_ends() {
     let server = demo();
@@ -500,6 +500,19 @@ async fn ignore_eos_stop_token_ids_and_min_tokens_move_where_the_reply_ends() {
                 3,
                 "stop",
                 None,
+            ),
+            (
+                json!({"logit_bias": {"65": 100}, "stop": ["A"]}),
+                1,
+                "stop",
+                Some(""),
+            ),
+            // Stop strings only match from the min_tokens-th token on; the text before stays.
+            (
+                json!({"logit_bias": {"65": 100}, "stop": ["A"], "min_tokens": 3}),
+                3,
+                "stop",
+                Some("AA"),
             ),
         ] {
             let mut body = base.clone();

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use super::sampler::{Sampler, SamplingParams};
-use super::stop::StopChecker;
+use super::stop::{StopCheck, StopChecker};
 use crate::backend::{Backend, LogitsFor, RunChoice};
 use crate::text::tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -26,6 +26,9 @@ pub struct GenerationParams {
     /// Token ids that end generation once emitted as text (`</tool_call>` where the request
     /// allows one tool call only).
     pub end_after_ids: Vec<u32>,
+    /// Tokens generated before the reply may end: the end-of-sequence ids are banned until then,
+    /// and stop strings only match text that ends in a later token (vLLM's rule).
+    pub min_tokens: usize,
 }
 
 /// Why a sequence ended.
@@ -55,6 +58,7 @@ pub struct Output<'t> {
     stop: StopChecker,
     eos_token_ids: Vec<u32>,
     end_after_ids: Vec<u32>,
+    min_tokens: usize,
     max_tokens: usize,
 }
 
@@ -68,8 +72,15 @@ impl<'t> Output<'t> {
             stop: StopChecker::new(params.stop.clone()),
             eos_token_ids: params.eos_token_ids.clone(),
             end_after_ids: params.end_after_ids.clone(),
+            min_tokens: params.min_tokens,
             max_tokens: params.max_tokens,
         }
+    }
+
+    /// Whether the reply may not end yet (`min_tokens` not reached): its end-of-sequence ids
+    /// are to be banned when the next token is chosen.
+    pub fn holds_back_eos(&self) -> bool {
+        self.ids.len() < self.min_tokens
     }
 
     /// The ids that end generation unwritten.
@@ -99,7 +110,16 @@ impl<'t> Output<'t> {
             Some(d) if !skipped => d.push(id)?,
             _ => String::new(),
         };
-        let checked = self.stop.push(&piece);
+        // Before the minimum the text passes unchecked: a stop string must end in a token
+        // from the `min_tokens`-th on.
+        let checked = if self.ids.len() < self.min_tokens {
+            StopCheck {
+                text: piece,
+                matched_stop: None,
+            }
+        } else {
+            self.stop.push(&piece)
+        };
         if checked.matched_stop.is_some() {
             return Ok(Pushed {
                 text: checked.text,

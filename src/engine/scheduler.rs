@@ -59,8 +59,6 @@ pub struct GenerationRequest {
     pub logprobs: Option<usize>,
     /// Added to the logits of the given ids before sampling.
     pub logit_bias: Vec<(u32, f32)>,
-    /// Tokens generated before an end-of-sequence id may be (they are banned until then).
-    pub min_tokens: usize,
     /// A grammar the reply must follow (structured output).
     pub constraint: Option<Constraint>,
 }
@@ -366,8 +364,6 @@ struct Sequence<'t, S> {
     next_token: Option<u32>,
     logprobs: Option<usize>,
     logit_bias: Vec<(u32, f32)>,
-    /// The end-of-sequence ids are banned while fewer than this many tokens are out.
-    min_tokens: usize,
     constraint: Option<Constraint>,
     /// Plain argmax with nothing reported: the backend may pick the token itself.
     device_greedy: bool,
@@ -385,7 +381,7 @@ impl<S> Sequence<'_, S> {
     /// Whether the end-of-sequence ids are still banned (`min_tokens` not yet reached), which
     /// takes the logits to the host.
     fn holds_back_eos(&self) -> bool {
-        self.output.ids.len() < self.min_tokens
+        self.output.holds_back_eos()
     }
 }
 
@@ -525,7 +521,6 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             next_token: None,
             logprobs: request.logprobs,
             logit_bias: request.logit_bias,
-            min_tokens: request.min_tokens,
             constraint: request.constraint,
             device_greedy,
             device_sampled,
@@ -984,10 +979,10 @@ mod tests {
                 stop: Vec::new(),
                 eos_token_ids: Vec::new(),
                 end_after_ids: Vec::new(),
+                min_tokens: 0,
             },
             logprobs,
             logit_bias: Vec::new(),
-            min_tokens: 0,
             constraint: None,
         }
     }

@@ -288,10 +288,10 @@ impl Plan {
                         stop: self.stop.clone(),
                         eos_token_ids: self.eos_token_ids.clone(),
                         end_after_ids: self.end_after_ids.clone(),
+                        min_tokens: self.min_tokens,
                     },
                     logprobs,
                     logit_bias: self.logit_bias.clone(),
-                    min_tokens: self.min_tokens,
                     constraint: constraint.cloned(),
                 };
                 app.engine.submit(request).map_err(ApiError::from)
