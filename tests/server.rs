@@ -396,6 +396,72 @@ async fn completions_from_text_and_from_ids() {
     assert_eq!(streamed_text(&events), format!("Once upon a time{text}"));
 }
 
+/// `echo` with `logprobs` scores the prompt (OpenAI's legacy way, which lm-evaluation-harness
+/// uses for likelihoods): every prompt token is listed, the first with `null`s, each later one
+/// with its logprob given the tokens before it, which for a prompt that ends in the greedy
+/// continuation of its first part is that token's logprob as it was generated; `max_tokens: 0`
+/// only scores; whole and streamed agree.
+#[tokio::test]
+async fn echo_with_logprobs_scores_the_prompt() {
+    let server = demo();
+    let body = json!({"prompt": "Once upon", "max_tokens": 1, "temperature": 0, "logprobs": 2});
+    let (_, first) = post(&server, "/v1/completions", body).await;
+    let next = first["choices"][0]["text"].as_str().unwrap().to_owned();
+    let generated = first["choices"][0]["logprobs"]["token_logprobs"][0]
+        .as_f64()
+        .unwrap();
+
+    let text = format!("Once upon{next}");
+    for max_tokens in [0, 3] {
+        let body = json!({"prompt": [text.clone()], "max_tokens": max_tokens, "temperature": 0,
+                          "logprobs": 2, "echo": true});
+        let (status, v) = post(&server, "/v1/completions", body.clone()).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let c = &v["choices"][0];
+        let l = &c["logprobs"];
+        let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        let listed = prompt_tokens + max_tokens;
+        assert_eq!(v["usage"]["completion_tokens"], max_tokens);
+        for field in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            assert_eq!(l[field].as_array().unwrap().len(), listed, "{field}: {v}");
+        }
+        assert!(l["token_logprobs"][0].is_null() && l["top_logprobs"][0].is_null());
+        let tokens: String = (0..prompt_tokens)
+            .map(|i| l["tokens"][i].as_str().unwrap())
+            .collect();
+        assert_eq!(tokens, text);
+        assert_eq!(l["text_offset"][1], l["tokens"][0].as_str().unwrap().len());
+        for i in 1..listed {
+            let lp = l["token_logprobs"][i].as_f64().unwrap();
+            let top = l["top_logprobs"][i].as_object().unwrap();
+            assert!(lp <= 0.0 && top.len() == 2, "{i}: {v}");
+            let best = top
+                .values()
+                .map(|t| t.as_f64().unwrap())
+                .fold(f64::MIN, f64::max);
+            assert!(best >= lp - 1e-6, "{i}: {v}");
+        }
+        let scored = l["token_logprobs"][prompt_tokens - 1].as_f64().unwrap();
+        assert!((scored - generated).abs() < 1e-4, "{scored} vs {generated}");
+        assert!(c["text"].as_str().unwrap().starts_with(&text));
+        assert_eq!(c["finish_reason"], "length");
+
+        let (_, events) = stream(&server, "/v1/completions", body).await;
+        assert_eq!(streamed_text(&events), c["text"].as_str().unwrap());
+        let streamed: Vec<Value> = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["logprobs"]["token_logprobs"].as_array())
+            .flatten()
+            .cloned()
+            .collect();
+        assert_eq!(&streamed, l["token_logprobs"].as_array().unwrap());
+    }
+    let body = json!({"prompt": "x", "max_tokens": 0});
+    let (status, v) = post(&server, "/v1/completions", body).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(error_of(&v).1, Some("max_tokens"));
+}
+
 /// A batch of prompts (texts or id lists) gets each prompt's completions, numbered prompt by
 /// prompt, each what the prompt gets alone (greedy), whole and streamed, with the echo of its
 /// own prompt; usage counts every prompt once.

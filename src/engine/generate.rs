@@ -83,6 +83,11 @@ impl<'t> Output<'t> {
         self.ids.len() < self.min_tokens
     }
 
+    /// The most tokens the reply may have.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
     /// The ids that end generation unwritten.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos_token_ids

@@ -324,6 +324,17 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<TokenLogprob> {
         .collect()
 }
 
+/// The log-softmax of `logits` at `token_id` (non-finite logits are impossible tokens; an
+/// impossible `token_id` gets minus infinity).
+pub fn logprob_of(logits: &[f32], token_id: u32) -> f32 {
+    match logits.get(token_id as usize) {
+        Some(&logit) if logit.is_finite() => {
+            LogSoftmax::over(finite_candidates(logits)).logprob(logit)
+        }
+        _ => f32::NEG_INFINITY,
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Candidate {
     logit: f32,

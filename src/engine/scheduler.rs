@@ -27,7 +27,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use super::constraint::Constraint;
 use super::generate::{FinishReason, GenerationParams, Output};
 use super::prefix_cache::{MIN_CACHED_PREFIX, PrefixCache};
-use super::sampler::{Sampler, TokenLogprob, top_logprobs};
+use super::sampler::{Sampler, TokenLogprob, logprob_of, top_logprobs};
 use crate::backend::{Backend, DeviceDraw, LogitsFor};
 use crate::text::tokenizer::Tokenizer;
 
@@ -46,6 +46,10 @@ pub struct EngineOptions {
     pub prefix_cache: usize,
 }
 
+/// Prompt tokens a scored prompt (`prompt_logprobs`) prefills at a time: each brings its row of
+/// logits back to the host (1 MB a token at the 35B's vocabulary).
+const SCORED_CHUNK: usize = 64;
+
 /// One generation to run.
 #[derive(Clone, Debug)]
 pub struct GenerationRequest {
@@ -57,6 +61,10 @@ pub struct GenerationRequest {
     pub params: GenerationParams,
     /// `Some(k)`: report each chosen token's log-probability and the `k` most likely tokens.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: report the same for every prompt token after the first, given the ones before
+    /// it ([`Event::PromptLogprobs`]; scoring). The prompt is then prefilled whole, not taken
+    /// from the prefix cache.
+    pub prompt_logprobs: Option<usize>,
     /// Added to the logits of the given ids before sampling.
     pub logit_bias: Vec<(u32, f32)>,
     /// A grammar the reply must follow (structured output).
@@ -70,9 +78,12 @@ pub struct TokenLogprobs {
     pub top: Vec<TokenLogprob>,
 }
 
-/// What the engine reports about a request, in order: tokens, then `Finished` or `Failed`.
+/// What the engine reports about a request, in order: the prompt's logprobs where asked for,
+/// tokens, then `Finished` or `Failed`.
 #[derive(Debug)]
 pub enum Event {
+    /// Prompt tokens 1.. scored, each given the tokens before it (once the prompt is prefilled).
+    PromptLogprobs(Vec<TokenLogprobs>),
     Token {
         id: u32,
         /// Text now final (may be empty while a character or a possible stop string is held).
@@ -363,6 +374,9 @@ struct Sequence<'t, S> {
     /// The chosen token not yet fed to the model (set once the prompt is done).
     next_token: Option<u32>,
     logprobs: Option<usize>,
+    prompt_logprobs: Option<usize>,
+    /// The prompt's scores so far (`prompt_logprobs`), sent when its prefill ends.
+    prompt_scores: Vec<TokenLogprobs>,
     logit_bias: Vec<(u32, f32)>,
     constraint: Option<Constraint>,
     /// Plain argmax with nothing reported: the backend may pick the token itself.
@@ -520,6 +534,8 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             events,
             next_token: None,
             logprobs: request.logprobs,
+            prompt_logprobs: request.prompt_logprobs,
+            prompt_scores: Vec::new(),
             logit_bias: request.logit_bias,
             constraint: request.constraint,
             device_greedy,
@@ -539,20 +555,28 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         let mut budget = self.shared.options.prefill_chunk;
         let metrics = self.metrics();
         for s in self.running.iter_mut() {
-            if budget > 0 && !s.done && s.prefilled == 0 {
+            // A scored prompt needs every position's logits, so it prefills all of it itself.
+            if budget > 0 && !s.done && s.prefilled == 0 && s.prompt_logprobs.is_none() {
                 start_from_cache(&mut self.cache, self.backend, s, metrics);
             }
             while budget > 0 && !s.done && s.prefilled < s.prompt.len() {
                 let point = s.cache_points.first().copied();
+                // A scored chunk brings every row's logits back (1 MB a token at the 35B's
+                // vocabulary): SCORED_CHUNK bounds that memory.
+                let (most, which) = match s.prompt_logprobs {
+                    Some(_) => (budget.min(SCORED_CHUNK), LogitsFor::All),
+                    None => (budget, LogitsFor::Last),
+                };
                 let end = s
                     .prompt
                     .len()
-                    .min(s.prefilled + budget)
+                    .min(s.prefilled + most)
                     .min(point.unwrap_or(usize::MAX));
-                let chunk = &s.prompt[s.prefilled..end];
+                let first = s.prefilled;
+                let chunk = &s.prompt[first..end];
                 let last = end == s.prompt.len();
                 let start = Instant::now();
-                let result = self.backend.prefill(&mut s.state, chunk, LogitsFor::Last);
+                let result = self.backend.prefill(&mut s.state, chunk, which);
                 metrics
                     .prefill_micros
                     .fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
@@ -568,6 +592,9 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
                         break;
                     }
                 };
+                if let Some(k) = s.prompt_logprobs {
+                    logits = score_prompt(s, first..end, logits, k, self.tokenizer);
+                }
                 if point == Some(end) {
                     s.cache_points.remove(0);
                     keep_copy(&mut self.cache, self.backend, &s.prompt[..end], &s.state);
@@ -576,6 +603,15 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
                         .store(self.cache.len(), Ordering::Relaxed);
                 }
                 if last {
+                    if s.prompt_logprobs.is_some() {
+                        let scores = std::mem::take(&mut s.prompt_scores);
+                        // A client gone shows at the next drop_cancelled.
+                        let _ = s.events.send(Event::PromptLogprobs(scores));
+                    }
+                    if s.output.max_tokens() == 0 {
+                        finish(s, FinishReason::Length, metrics);
+                        break;
+                    }
                     match choose(s, &mut logits, self.tokenizer) {
                         Ok(chosen) => emit(s, chosen, metrics),
                         Err(e) => fail(s, &e, metrics),
@@ -794,13 +830,7 @@ fn choose<S>(
             }
         }
     }
-    // Rows past the tokenizer's vocabulary (padding of the embedding) are not tokens.
-    if let Some(t) = tokenizer
-        && t.vocab_size() < logits.len()
-        && logits[..t.vocab_size()].iter().any(|l| l.is_finite())
-    {
-        logits[t.vocab_size()..].fill(f32::NEG_INFINITY);
-    }
+    mask_padding(logits, tokenizer);
     if let Some(c) = &mut s.constraint {
         c.mask(logits)?;
     }
@@ -813,6 +843,51 @@ fn choose<S>(
         top: top_logprobs(logits, k),
     });
     Ok((sampled.token_id, logprobs))
+}
+
+/// Rows past the tokenizer's vocabulary (padding of the embedding) are not tokens.
+fn mask_padding(logits: &mut [f32], tokenizer: Option<&Tokenizer>) {
+    if let Some(t) = tokenizer
+        && t.vocab_size() < logits.len()
+        && logits[..t.vocab_size()].iter().any(|l| l.is_finite())
+    {
+        logits[t.vocab_size()..].fill(f32::NEG_INFINITY);
+    }
+}
+
+/// Scores the prompt tokens that the rows of a prefilled chunk (the logits at prompt positions
+/// `chunk`) predict into `s.prompt_scores`, and gives back the last row: the next token's logits.
+fn score_prompt<S>(
+    s: &mut Sequence<'_, S>,
+    chunk: std::ops::Range<usize>,
+    mut logits: Vec<f32>,
+    k: usize,
+    tokenizer: Option<&Tokenizer>,
+) -> Vec<f32> {
+    let vocab = logits.len() / chunk.len();
+    for (row, position) in logits.chunks_mut(vocab).zip(chunk.start + 1..) {
+        let Some(&next) = s.prompt.get(position) else {
+            break;
+        };
+        mask_padding(row, tokenizer);
+        s.prompt_scores.push(TokenLogprobs {
+            logprob: logprob_of(row, next),
+            top: top_logprobs(row, k),
+        });
+    }
+    logits.split_off(logits.len() - vocab)
+}
+
+/// Ends `s` before it writes a token (`max_tokens` 0: the prompt was only scored).
+fn finish<S>(s: &mut Sequence<'_, S>, reason: FinishReason, metrics: &EngineMetrics) {
+    s.done = true;
+    s.finished = true;
+    metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
+    let _ = s.events.send(Event::Finished {
+        reason,
+        completion_tokens: s.output.ids.len(),
+        cached_tokens: s.cached_tokens,
+    });
 }
 
 /// Records the chosen token of `s` and sends its event (and the finish, if it ends here).
@@ -841,16 +916,7 @@ fn emit<S>(
         return;
     }
     match pushed.finish {
-        Some(reason) => {
-            s.done = true;
-            s.finished = true;
-            metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
-            let _ = s.events.send(Event::Finished {
-                reason,
-                completion_tokens: s.output.ids.len(),
-                cached_tokens: s.cached_tokens,
-            });
-        }
+        Some(reason) => finish(s, reason, metrics),
         None => s.next_token = Some(id),
     }
 }
@@ -982,6 +1048,7 @@ mod tests {
                 min_tokens: 0,
             },
             logprobs,
+            prompt_logprobs: None,
             logit_bias: Vec::new(),
             constraint: None,
         }
@@ -1003,6 +1070,7 @@ mod tests {
                             ids.push(id);
                             reported &= logprobs.is_some();
                         }
+                        Event::PromptLogprobs(_) => {}
                         Event::Finished { .. } => break,
                         Event::Failed(e) => panic!("{e}"),
                     }
@@ -1057,6 +1125,65 @@ mod tests {
             [12, 12, 12]
         );
         assert!(together[2].1 && !together[0].1 && !together[1].1);
+        engine.join();
+    }
+
+    /// A scored prompt (longer than a scored chunk and than the step's prefill budget): every
+    /// token after the first gets the log-softmax of the logits one prefill of the whole prompt
+    /// gives at the position before it, with its top alternatives; `max_tokens` 0 ends it there,
+    /// and with tokens to write the reply is the unscored request's.
+    #[test]
+    fn a_scored_prompt_reports_each_tokens_logprob_given_those_before_it() {
+        let model = Arc::new(demo().unwrap().model);
+        let reference = CpuBackend::new(model.clone());
+        let engine = Engine::start(
+            move || Ok(CpuBackend::new(model)),
+            None,
+            EngineOptions {
+                max_batch: 4,
+                max_queue: 8,
+                prefill_chunk: 100,
+                prefix_cache: 2,
+            },
+        )
+        .unwrap();
+        let prompt: Vec<u32> = (0..150).map(|i| (i * 37 % 200 + 1) as u32).collect();
+        let mut state = reference.new_state().unwrap();
+        let all = reference
+            .prefill(&mut state, &prompt, LogitsFor::All)
+            .unwrap();
+        let vocab = reference.config().vocab_size;
+
+        let mut scored = request(prompt.clone(), 0.0, None);
+        scored.prompt_logprobs = Some(3);
+        scored.params.max_tokens = 0;
+        let mut events = engine.handle().submit(scored.clone()).unwrap();
+        let Some(Event::PromptLogprobs(scores)) = events.blocking_recv() else {
+            panic!("no prompt logprobs first");
+        };
+        assert!(matches!(
+            events.blocking_recv(),
+            Some(Event::Finished {
+                reason: FinishReason::Length,
+                completion_tokens: 0,
+                ..
+            })
+        ));
+        assert_eq!(scores.len(), prompt.len() - 1);
+        for (p, score) in scores.iter().enumerate() {
+            let row = &all[p * vocab..(p + 1) * vocab];
+            let expected = logprob_of(row, prompt[p + 1]);
+            assert!((score.logprob - expected).abs() < 1e-3, "position {p}");
+            assert_eq!(score.top.len(), 3);
+            let best = top_logprobs(row, 1)[0].token_id;
+            assert_eq!(score.top[0].token_id, best, "position {p}");
+            assert!(score.top[0].logprob >= score.logprob);
+        }
+
+        scored.params.max_tokens = 12;
+        let replies = replies(&engine, &[scored, request(prompt, 0.0, None)]);
+        assert_eq!(replies[0].0.len(), 12);
+        assert_eq!(replies[0].0, replies[1].0);
         engine.join();
     }
 

@@ -588,6 +588,13 @@ impl Reply {
                     token_id: None,
                 })
             }
+            // Chat asks for no prompt scores (`Plan::prompt_logprobs` stays unset).
+            Event::PromptLogprobs(_) => Ok(Step {
+                delta: AssistantMessage::default(),
+                logprobs: None,
+                finish: None,
+                token_id: None,
+            }),
             Event::Failed(message) => Err(ApiError::internal(message)),
         }
     }

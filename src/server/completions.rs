@@ -31,8 +31,18 @@ pub async fn completions(
     let (common, common_unread) = fields_and_unread::<CommonFields>(&body)?;
     let (fields, fields_unread) = fields_and_unread::<CompletionFields>(&body)?;
     warn_unread("/v1/completions", &[common_unread, fields_unread]);
-    let max_tokens = common.max_tokens.map(|m| (m, "max_tokens"));
-    let plan = Plan::read(common, max_tokens, &app)?;
+    let echo = fields.echo.unwrap_or(false);
+    // `max_tokens: 0` with `echo` only scores the prompt (the legacy API's way to ask for a
+    // text's logprobs).
+    let scores_only = echo && common.max_tokens == Some(0);
+    let max_tokens = common
+        .max_tokens
+        .filter(|_| !scores_only)
+        .map(|m| (m, "max_tokens"));
+    let mut plan = Plan::read(common, max_tokens, &app)?;
+    if scores_only {
+        plan.max_tokens = Some(0);
+    }
     if fields.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("suffix", "`suffix` is not supported."));
     }
@@ -54,12 +64,9 @@ pub async fn completions(
             ));
         }
     };
-    let echo = fields.echo.unwrap_or(false);
-    if echo && logprobs.is_some() {
-        return Err(ApiError::invalid(
-            "echo",
-            "`echo` together with `logprobs` is not supported.",
-        ));
+    // The echoed prompt is scored as well: each token's logprob given those before it.
+    if echo {
+        plan.prompt_logprobs = logprobs;
     }
     let constraint = match json_schema_of(fields.response_format)? {
         None => None,
@@ -113,7 +120,7 @@ pub async fn completions(
         prompts: prompts
             .into_iter()
             .map(|(ids, text)| PromptOf {
-                tokens: ids.len(),
+                ids,
                 echo: echo.then_some(text),
             })
             .collect(),
@@ -187,7 +194,7 @@ struct ChoiceOutput {
 
 /// One prompt of the request.
 struct PromptOf {
-    tokens: usize,
+    ids: Vec<u32>,
     /// The prompt's text, where `echo` asks for it before each of its choices.
     echo: Option<String>,
 }
@@ -265,6 +272,20 @@ impl Reply {
                     token_id: None,
                 })
             }
+            Event::PromptLogprobs(scores) => {
+                let ids = &self.prompts[index / self.n].ids;
+                let logprobs = choice.logprobs.as_mut().map(|all| {
+                    let prompt = prompt_logprobs(self.tokenizer.as_deref(), ids, &scores);
+                    extend(all, &prompt);
+                    prompt
+                });
+                Ok(Step {
+                    text: String::new(),
+                    logprobs,
+                    finish: None,
+                    token_id: None,
+                })
+            }
             Event::Failed(message) => Err(ApiError::internal(message)),
         }
     }
@@ -277,7 +298,7 @@ impl Reply {
     /// Each prompt counted once, with the most any of its choices took from the cache.
     fn usage(&self) -> Usage {
         Usage::new(
-            self.prompts.iter().map(|p| p.tokens).sum(),
+            self.prompts.iter().map(|p| p.ids.len()).sum(),
             self.choices.iter().map(|c| c.completion_tokens).sum(),
             self.choices
                 .chunks(self.n)
@@ -375,6 +396,14 @@ impl ChunkWriter for Reply {
     }
 }
 
+/// A token's text in a listing (its id where the model has no tokenizer).
+fn listed_text(tokenizer: Option<&Tokenizer>, id: u32) -> String {
+    match tokenizer {
+        Some(t) => token_text(t, id),
+        None => format!("token_id:{id}"),
+    }
+}
+
 /// One token in the legacy format: its text, log-probability, top alternatives, text offset.
 fn legacy_logprobs(
     tokenizer: Option<&Tokenizer>,
@@ -382,21 +411,54 @@ fn legacy_logprobs(
     l: &TokenLogprobs,
     offset: usize,
 ) -> CompletionLogprobs {
-    let text = |id: u32| match tokenizer {
-        Some(t) => token_text(t, id),
-        None => format!("token_id:{id}"),
-    };
     let top: Map<String, Value> = l
         .top
         .iter()
-        .map(|t| (text(t.token_id), Value::from(t.logprob)))
+        .map(|t| (listed_text(tokenizer, t.token_id), logprob_value(t.logprob)))
         .collect();
     CompletionLogprobs {
-        tokens: vec![text(id)],
-        token_logprobs: vec![l.logprob],
-        top_logprobs: vec![top],
+        tokens: vec![listed_text(tokenizer, id)],
+        token_logprobs: vec![Some(l.logprob)],
+        top_logprobs: vec![Some(top)],
         text_offset: vec![offset],
     }
+}
+
+/// A logprob as a JSON number written as `token_logprobs` writes its f32 (-0.5566907, not the
+/// f64 widening -0.5566906929016113), so that a chosen token's logprob and the same token's
+/// among the alternatives compare equal, as clients' greedy checks expect.
+fn logprob_value(logprob: f32) -> Value {
+    Value::from(logprob.to_string().parse::<f64>().unwrap_or(f64::NAN))
+}
+
+/// The echoed prompt `ids` in the legacy format, `scores` for its tokens after the first (the
+/// first has none: `null`). A token's offset is where the prompt's text is at when it starts:
+/// the length of what its decoding has made final, so that offsets keep within the echoed text
+/// (a token's own text may be a piece of a character, listed as U+FFFD).
+fn prompt_logprobs(
+    tokenizer: Option<&Tokenizer>,
+    ids: &[u32],
+    scores: &[TokenLogprobs],
+) -> CompletionLogprobs {
+    let mut all = CompletionLogprobs::default();
+    let mut decoder = tokenizer.map(Tokenizer::incremental_decoder);
+    let mut offset = 0;
+    for (i, &id) in ids.iter().enumerate() {
+        let one = match i.checked_sub(1).and_then(|before| scores.get(before)) {
+            Some(l) => legacy_logprobs(tokenizer, id, l, offset),
+            None => CompletionLogprobs {
+                tokens: vec![listed_text(tokenizer, id)],
+                token_logprobs: vec![None],
+                top_logprobs: vec![None],
+                text_offset: vec![offset],
+            },
+        };
+        if let Some(d) = &mut decoder {
+            offset += d.push(id).map_or(0, |text| text.len());
+        }
+        extend(&mut all, &one);
+    }
+    all
 }
 
 fn extend(all: &mut CompletionLogprobs, one: &CompletionLogprobs) {

@@ -80,6 +80,9 @@ pub struct Plan {
     /// Tokens before `eos_token_ids` may end the reply.
     pub min_tokens: usize,
     pub logit_bias: Vec<(u32, f32)>,
+    /// Alternatives per prompt token where the prompt is scored (completions' `echo` with
+    /// `logprobs`; see `GenerationRequest::prompt_logprobs`).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Plan {
@@ -223,6 +226,7 @@ impl Plan {
             end_after_ids: Vec::new(),
             min_tokens,
             logit_bias,
+            prompt_logprobs: None,
         })
     }
 
@@ -291,6 +295,7 @@ impl Plan {
                         min_tokens: self.min_tokens,
                     },
                     logprobs,
+                    prompt_logprobs: self.prompt_logprobs,
                     logit_bias: self.logit_bias.clone(),
                     constraint: constraint.cloned(),
                 };

@@ -321,12 +321,13 @@ pub struct CompletionChoice {
     pub token_ids: Option<Vec<u32>>,
 }
 
-/// The legacy completions log-probability format: parallel lists per token.
+/// The legacy completions log-probability format: parallel lists per token. An echoed prompt's
+/// first token has no logprob or alternatives (`null`): nothing comes before it.
 #[derive(Debug, Default, Serialize)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<Map<String, Value>>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<Map<String, Value>>>,
     pub text_offset: Vec<usize>,
 }
 

@@ -616,6 +616,8 @@ impl ResponseReply {
                     json!({"response": response}),
                 );
             }
+            // Responses ask for no prompt scores.
+            Event::PromptLogprobs(_) => {}
             Event::Failed(message) => return Err(ApiError::internal(message)),
         }
         Ok(())

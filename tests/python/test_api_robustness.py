@@ -390,6 +390,7 @@ def check_stream(case: Case, reply: Reply) -> tuple:
     include_usage = (request.get("stream_options") or {}).get("include_usage") is True
     texts = [["", "", []] for _ in range(n)]
     finishes = {}
+    scored = set()  # choices whose logprobs have started
     usage = None
     token_ids = prompt_ids = 0
     for i, c in enumerate(chunks):
@@ -422,7 +423,8 @@ def check_stream(case: Case, reply: Reply) -> tuple:
             else:
                 texts[index][0] += choice["text"]
                 if choice["logprobs"] is not None:
-                    check_legacy_logprobs(choice["logprobs"], request)
+                    check_legacy_logprobs(choice["logprobs"], request, index not in scored)
+                    scored.add(index)
             if choice["finish_reason"] is not None:
                 assert choice["finish_reason"] in ("stop", "length", "tool_calls")
                 finishes[index] = choice["finish_reason"]
@@ -598,7 +600,10 @@ def check_chat_logprobs(logprobs, request: dict):
         assert alternatives == sorted(alternatives, reverse=True), "top_logprobs out of order"
 
 
-def check_legacy_logprobs(logprobs, request: dict):
+def check_legacy_logprobs(logprobs, request: dict, opens: bool = True):
+    """`opens`: the lists start at the choice's first token (a whole reply, or its first
+    streamed chunk with logprobs), which with `echo` is the prompt's first, scored against
+    nothing."""
     top = requested_top(request, chat=False)
     if top is None:
         assert logprobs is None, "log-probabilities nobody asked for"
@@ -606,13 +611,16 @@ def check_legacy_logprobs(logprobs, request: dict):
     lists = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     lengths = {len(logprobs[k]) for k in lists}
     assert len(lengths) == 1, "logprobs lists of different lengths"
-    for value in logprobs["token_logprobs"]:
+    for i, (value, alternatives) in enumerate(zip(logprobs["token_logprobs"], logprobs["top_logprobs"])):
+        if i == 0 and opens and request.get("echo"):
+            # An echoed prompt's first token has nothing before it to be scored against.
+            assert value is None and alternatives is None, "the prompt's first token scored"
+            continue
         check_logprob(value)
-    for alternatives in logprobs["top_logprobs"]:
         # Tokens with the same text (invalid UTF-8 pieces) share one key.
         assert len(alternatives) <= top
-        for value in alternatives.values():
-            check_logprob(value)
+        for alternative in alternatives.values():
+            check_logprob(alternative)
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
 
 
@@ -733,7 +741,7 @@ def random_completion(rng: random.Random) -> dict:
                "max_tokens": rng.choice([1, 3, 12])}
     if rng.random() < 0.3:
         request["logprobs"] = rng.randint(0, 5)
-    elif rng.random() < 0.3:
+    if rng.random() < 0.3:
         request["echo"] = True
     if rng.random() < 0.1:
         request["suffix"] = ""

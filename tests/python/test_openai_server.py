@@ -218,6 +218,37 @@ def test_completions_and_stop_strings(demo):
         assert got == cut
 
 
+def test_loglikelihood_requests_as_lm_evaluation_harness_sends_them(demo):
+    """lm-evaluation-harness's `local-completions` model scores a continuation by sending the
+    context and continuation's token ids with `echo`, `logprobs=1` and `max_tokens=1`, summing
+    `token_logprobs[ctxlen:-1]` and calling it greedy when each is its position's best. The
+    continuation here is the context's own greedy reply, so it must come out greedy, and its
+    summed logprob must equal what generating it reported."""
+    client = demo.client()
+    kwargs = dict(model="lily-demo", temperature=0)
+    context = list(b"Once upon a time")  # the demo's tokenizer: a token per byte
+    reply = client.completions.create(
+        prompt=context, max_tokens=4, logprobs=1, extra_body={"return_token_ids": True}, **kwargs
+    )
+    continuation = reply.choices[0].model_extra["token_ids"]
+    generated = reply.choices[0].logprobs.token_logprobs
+    other = [(t + 1) % 200 + 1 for t in continuation]
+    out = client.completions.create(
+        prompt=[context + continuation, context + other], max_tokens=1, logprobs=1, echo=True,
+        **kwargs,
+    )
+    results = []
+    for choice in sorted(out.choices, key=lambda c: c.index):
+        logprobs = choice.logprobs.token_logprobs[len(context):-1]
+        tops = choice.logprobs.top_logprobs[len(context):-1]
+        assert len(logprobs) == len(continuation) and choice.logprobs.token_logprobs[0] is None
+        greedy = all(lp == max(top.values()) for lp, top in zip(logprobs, tops))
+        results.append((sum(logprobs), greedy))
+    (own, own_greedy), (changed, changed_greedy) = results
+    assert own_greedy and not changed_greedy
+    assert abs(own - sum(generated)) < 1e-3 and changed < own
+
+
 def test_tool_call_and_reasoning_from_the_scripted_model(scripted):
     client = scripted.client()
     request = dict(
