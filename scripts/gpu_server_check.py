@@ -15,6 +15,9 @@ without it, and each server is asked:
     every step), one with `min_tokens` (to the host for its first steps, then argmax on the
     device): the same tokens (checks a sequence moving between the mixed step's host and device
     rows);
+  - a 150-token prompt scored by `echo` with `logprobs` and `max_tokens: 0` (prefilled 64
+    tokens at a time, every row's logits read back): its last token, the greedy continuation of
+    the rest, must score what generating it reported within TOLERANCE;
   - all of these at once from several threads, streamed and not: every one succeeds.
 
 Usage: scripts/gpu_server_check.py --lily target/gpu/lily [--device cpu]
@@ -183,6 +186,20 @@ def host_then_device(server: Server) -> list[str]:
     return [] if host == switched else [f"host-chosen {host} against host-then-device {switched}"]
 
 
+def scored_prompt(server: Server) -> list[str]:
+    context = "The quick brown fox jumps over the lazy dog; " * 3
+    common = {"model": "lily-demo", "temperature": 0, "logprobs": 1, "logit_bias": NO_EOS}
+    first = server.post("/v1/completions", {**common, "prompt": context, "max_tokens": 1})["choices"][0]
+    generated = first["logprobs"]["token_logprobs"][0]
+    scored = server.post("/v1/completions", {**common, "prompt": context + first["text"], "max_tokens": 0,
+                                             "echo": True})
+    logprobs = scored["choices"][0]["logprobs"]["token_logprobs"]
+    if len(logprobs) != scored["usage"]["prompt_tokens"] or logprobs[0] is not None:
+        return [f"scored prompt: {len(logprobs)} logprobs for {scored['usage']['prompt_tokens']} tokens"]
+    print(f"scored prompt: last token {logprobs[-1]:.5f}, as generated {generated:.5f}")
+    return [] if abs(logprobs[-1] - generated) <= TOLERANCE else [f"scored {logprobs[-1]} vs generated {generated}"]
+
+
 def check(lily: str, device: str) -> list[str]:
     problems = []
     cached, uncached = Server(lily, device), Server(lily, device, "--prefix-cache", "0")
@@ -203,7 +220,7 @@ def check(lily: str, device: str) -> list[str]:
             print(f"{name} turn: greedy replies {'equal' if same else 'differ (near-tie rounding?)'}")
         for server in (cached, uncached):
             problems += structured(server) + forced_call(server) + responses_api(server)
-            problems += host_then_device(server)
+            problems += host_then_device(server) + scored_prompt(server)
             with ThreadPoolExecutor(8) as pool:
                 jobs = [pool.submit(job, server) for job in (structured, forced_call, responses_api, streamed) * 2]
                 for job in jobs:
