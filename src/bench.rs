@@ -135,6 +135,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             + 2,
         max_sequences: args.batch.max(1),
         spare_sequences: 0,
+        fit_sequences: false,
         use_graphs: args.use_graphs,
         prefill_chunk: args.prefill_chunk,
     };

@@ -195,9 +195,10 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* (default: $LILY_API_KEY if set).
     #[arg(long, env = "LILY_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Sequences generated at once.
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
-    max_batch: u32,
+    /// Sequences generated at once [default: 32; on CUDA, without it, as many up to 32 as the
+    /// free GPU memory holds, for a GPU shared with other processes].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    max_batch: Option<u32>,
     /// Requests that may wait for a free slot; more get 429.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -336,6 +337,7 @@ macro_rules! cuda_backend {
             max_context: $device.context as usize,
             max_sequences: 1,
             spare_sequences: 0,
+            fit_sequences: false,
             use_graphs: true,
             prefill_chunk: lily::backend::cuda::DEFAULT_PREFILL_CHUNK,
         };
@@ -552,6 +554,9 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
     }
 }
 
+/// `serve --max-batch` unless told otherwise.
+const DEFAULT_MAX_BATCH: usize = 32;
+
 /// Default `serve --prefill-chunk` per device: short on the CPU so that decode steps of other
 /// requests are not held up long; on CUDA the backend's own chunk (`DEFAULT_PREFILL_CHUNK`).
 const CPU_PREFILL_CHUNK: usize = 512;
@@ -568,7 +573,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         host: args.host,
         port: args.port,
         api_key: args.api_key,
-        max_batch: args.max_batch as usize,
+        max_batch: args.max_batch.map_or(DEFAULT_MAX_BATCH, |n| n as usize),
+        fit_max_batch: args.max_batch.is_none(),
         max_queue: args.max_queue,
         context: args.device.context as usize,
         prefill_chunk: args.prefill_chunk.map_or(
@@ -603,6 +609,7 @@ fn serve_on_cuda(model: Arc<Model>, served: ServedModel, options: ServeOptions) 
         max_context: options.context.min(served.max_position_embeddings),
         max_sequences: options.max_batch,
         spare_sequences: options.prefix_cache + usize::from(options.prefix_cache > 0),
+        fit_sequences: options.fit_max_batch,
         use_graphs: true,
         prefill_chunk: options.prefill_chunk,
     };

@@ -219,6 +219,7 @@ pub struct EngineHandle {
     messages: UnboundedSender<Message>,
     shared: Arc<Shared>,
     vocab_size: usize,
+    max_batch: usize,
 }
 
 impl Engine {
@@ -257,20 +258,30 @@ impl Engine {
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok(backend.config().vocab_size));
+                // A backend that fitted its pool of states to the memory it found may hold
+                // fewer than `max_batch`.
+                let max_batch = options
+                    .max_batch
+                    .min(backend.max_states().unwrap_or(usize::MAX));
+                let _ = ready_tx.send(Ok((backend.config().vocab_size, max_batch)));
                 EngineLoop {
                     backend: &backend,
                     tokenizer: tokenizer.as_deref(),
                     shared: &thread_shared,
+                    max_batch,
                     messages: receiver,
                     waiting: VecDeque::new(),
                     running: Vec::new(),
-                    cache: PrefixCache::new(cache_capacity(&options, backend.max_states())),
+                    cache: PrefixCache::new(cache_capacity(
+                        max_batch,
+                        options.prefix_cache,
+                        backend.max_states(),
+                    )),
                 }
                 .run();
             })
             .context("cannot start the engine thread")?;
-        let vocab_size = ready_rx
+        let (vocab_size, max_batch) = ready_rx
             .recv()
             .context("the engine thread stopped while building its backend")??;
         Ok(Engine {
@@ -278,6 +289,7 @@ impl Engine {
                 messages,
                 shared,
                 vocab_size,
+                max_batch,
             },
             thread,
         })
@@ -356,6 +368,12 @@ impl EngineHandle {
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }
+
+    /// Sequences generated at once: `EngineOptions::max_batch`, or fewer where the backend's
+    /// pool of states is smaller.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
 }
 
 /// One admitted request.
@@ -403,6 +421,8 @@ struct EngineLoop<'a, B: Backend> {
     backend: &'a B,
     tokenizer: Option<&'a Tokenizer>,
     shared: &'a Shared,
+    /// `EngineHandle::max_batch`.
+    max_batch: usize,
     messages: UnboundedReceiver<Message>,
     waiting: VecDeque<Submission>,
     running: Vec<Sequence<'a, B::State>>,
@@ -474,7 +494,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
 
     fn admit(&mut self) {
         let metrics = self.metrics();
-        while self.running.len() < self.shared.options.max_batch {
+        while self.running.len() < self.max_batch {
             let Some(submission) = self.waiting.pop_front() else {
                 break;
             };
@@ -770,19 +790,19 @@ fn start_from_cache<B: Backend>(
 
 /// The states the prefix cache may keep: what was asked for, within what a backend with a fixed
 /// pool of states has beside the running sequences and the copy a starting sequence takes.
-fn cache_capacity(options: &EngineOptions, max_states: Option<usize>) -> usize {
+fn cache_capacity(max_batch: usize, prefix_cache: usize, max_states: Option<usize>) -> usize {
     let Some(states) = max_states else {
-        return options.prefix_cache;
+        return prefix_cache;
     };
-    let spare = states.saturating_sub(options.max_batch + 1);
-    if spare < options.prefix_cache {
+    let spare = states.saturating_sub(max_batch + 1);
+    if spare < prefix_cache {
         tracing::warn!(
-            asked = options.prefix_cache,
+            asked = prefix_cache,
             kept = spare,
             "the backend has room for fewer prefix-cache states than asked for"
         );
     }
-    spare.min(options.prefix_cache)
+    spare.min(prefix_cache)
 }
 
 /// Stores a copy of `state`, the state after `tokens`, unless the cache holds one already. A
@@ -945,6 +965,8 @@ mod tests {
     struct DrawingCpu {
         cpu: CpuBackend,
         mixed_steps: Arc<AtomicUsize>,
+        /// `Backend::max_states`.
+        states: Option<usize>,
     }
 
     fn draw(logits: &[f32], d: &DeviceDraw) -> u32 {
@@ -992,6 +1014,10 @@ mod tests {
 
         fn decode(&self, states: &mut [&mut Self::State], tokens: &[u32]) -> Result<Vec<f32>> {
             self.cpu.decode(states, tokens)
+        }
+
+        fn max_states(&self) -> Option<usize> {
+            self.states
         }
 
         fn samples_on_device(&self) -> bool {
@@ -1093,6 +1119,7 @@ mod tests {
                 Ok(DrawingCpu {
                     cpu: CpuBackend::new(model),
                     mixed_steps: counter,
+                    states: None,
                 })
             },
             None,
@@ -1189,18 +1216,43 @@ mod tests {
 
     #[test]
     fn the_cache_keeps_what_the_backends_pool_has_room_for() {
-        let options = |prefix_cache| EngineOptions {
-            max_batch: 32,
-            max_queue: 1,
-            prefill_chunk: 512,
-            prefix_cache,
-        };
-        assert_eq!(cache_capacity(&options(8), None), 8);
+        assert_eq!(cache_capacity(32, 8, None), 8);
         // The running sequences and one starting copy come first.
-        assert_eq!(cache_capacity(&options(8), Some(32 + 1 + 8)), 8);
-        assert_eq!(cache_capacity(&options(8), Some(32 + 1 + 3)), 3);
-        assert_eq!(cache_capacity(&options(8), Some(32 + 1)), 0);
-        assert_eq!(cache_capacity(&options(8), Some(4)), 0);
-        assert_eq!(cache_capacity(&options(0), Some(100)), 0);
+        assert_eq!(cache_capacity(32, 8, Some(32 + 1 + 8)), 8);
+        assert_eq!(cache_capacity(32, 8, Some(32 + 1 + 3)), 3);
+        assert_eq!(cache_capacity(32, 8, Some(32 + 1)), 0);
+        assert_eq!(cache_capacity(32, 8, Some(4)), 0);
+        assert_eq!(cache_capacity(32, 0, Some(100)), 0);
+    }
+
+    /// A backend whose pool holds fewer states than `max_batch` (a GPU fitted to its free
+    /// memory) runs that many sequences at once and queues the rest, which still finish.
+    #[test]
+    fn a_smaller_pool_of_states_lowers_the_batch() {
+        let model = Arc::new(demo().unwrap().model);
+        let engine = Engine::start(
+            move || {
+                Ok(DrawingCpu {
+                    cpu: CpuBackend::new(model),
+                    mixed_steps: Arc::new(AtomicUsize::new(0)),
+                    states: Some(2),
+                })
+            },
+            None,
+            EngineOptions {
+                max_batch: 4,
+                max_queue: 8,
+                prefill_chunk: 512,
+                prefix_cache: 4,
+            },
+        )
+        .unwrap();
+        assert_eq!(engine.handle().max_batch(), 2);
+        let requests: Vec<_> = (0..3)
+            .map(|i| request(vec![72 + i, 101, 108], 0.0, None))
+            .collect();
+        let together = replies(&engine, &requests);
+        assert!(together.iter().all(|(ids, _)| ids.len() == 12));
+        engine.join();
     }
 }

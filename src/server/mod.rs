@@ -55,6 +55,9 @@ pub struct ServeOptions {
     pub api_key: Option<String>,
     /// Sequences generated at once.
     pub max_batch: usize,
+    /// `max_batch` is the default, not asked for: a backend with a fixed pool of sequence states
+    /// (CUDA) may take fewer where memory is short, instead of refusing to start.
+    pub fit_max_batch: bool,
     /// Requests that may wait for a free sequence slot before new ones get 429.
     pub max_queue: usize,
     /// Longest sequence (prompt + completion); capped by the model's own limit.
@@ -433,7 +436,7 @@ where
     tracing::info!(
         model = app.model.name(),
         context = app.context,
-        max_batch = options.max_batch,
+        max_batch = engine.handle().max_batch(),
         api_key = options.api_key.is_some(),
         "model ready"
     );

@@ -407,8 +407,13 @@ impl MemoryUse {
 pub struct CudaOptions {
     /// Longest sequence (prompt + output) a slot holds.
     pub max_context: usize,
-    /// Sequences that can be alive at once (the backend refuses to start without room for them).
+    /// Sequences that can be alive at once (the backend refuses to start without room for them,
+    /// unless `fit_sequences`).
     pub max_sequences: usize,
+    /// Take fewer than `max_sequences` slots (at least one) where the free device memory holds
+    /// fewer with `SPARE_SLOT_RESERVE` left over (a GPU shared with other processes):
+    /// `Backend::max_states` says how many came.
+    pub fit_sequences: bool,
     /// More sequence slots (for states kept aside, as the prefix cache does), allocated last and
     /// only while they leave `SPARE_SLOT_RESERVE` of the device free, so a GPU shared with other
     /// processes gets fewer rather than none (`Backend::max_states` says how many came).
@@ -425,6 +430,38 @@ pub struct CudaOptions {
 /// Device memory that spare sequence slots leave free (for the driver, graphs and other
 /// processes' growth).
 const SPARE_SLOT_RESERVE: usize = 2 << 30;
+
+/// How many sequence slots of `slot_bytes` to allocate with `free` bytes of device memory:
+/// `opts.max_sequences`, or with `fit_sequences` as many of them as leave `SPARE_SLOT_RESERVE`
+/// free (at least one). Fails with what to change, not the driver's out-of-memory, when the
+/// device (shared with other processes, perhaps) cannot hold them.
+fn sequence_slots(opts: &CudaOptions, slot_bytes: usize, free: usize) -> Result<usize> {
+    let mut sequences = opts.max_sequences;
+    if opts.fit_sequences {
+        let fit = free.saturating_sub(SPARE_SLOT_RESERVE) / slot_bytes.max(1);
+        if fit < sequences {
+            tracing::warn!(
+                slots = fit.max(1),
+                context = opts.max_context,
+                free_gb = free as f64 / 1e9,
+                "the free GPU memory holds fewer sequence slots than the default batch: serving \
+                 that many at once (--max-batch sets it, --context shortens them)"
+            );
+        }
+        sequences = fit.clamp(1, sequences);
+    }
+    ensure!(
+        slot_bytes * sequences <= free,
+        "{} sequence slots of {} tokens need {:.2} GB of GPU memory, but {:.2} GB is free \
+         (other processes may hold the rest): serve fewer (--max-batch) or shorter (--context) \
+         sequences",
+        sequences,
+        opts.max_context,
+        (slot_bytes * sequences) as f64 / 1e9,
+        free as f64 / 1e9
+    );
+    Ok(sequences)
+}
 
 /// `CudaOptions::prefill_chunk` unless told otherwise.
 pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
@@ -700,20 +737,11 @@ impl CudaBackend {
         };
         // Fail with what to change, not the driver's out-of-memory, when the device (shared with
         // other processes, perhaps) cannot hold the slots.
-        let needed = Self::slot_bytes(c, opts.max_context) * opts.max_sequences;
+        let slot_bytes = Self::slot_bytes(c, opts.max_context);
         let (free, _) = cudarc::driver::result::mem_get_info()?;
-        ensure!(
-            needed <= free,
-            "{} sequence slots of {} tokens need {:.2} GB of GPU memory, but {:.2} GB is free \
-             (other processes may hold the rest): serve fewer (--max-batch) or shorter \
-             (--context) sequences",
-            opts.max_sequences,
-            opts.max_context,
-            needed as f64 / 1e9,
-            free as f64 / 1e9
-        );
-        let mut slots = Vec::with_capacity(opts.max_sequences);
-        for _ in 0..opts.max_sequences {
+        let sequences = sequence_slots(&opts, slot_bytes, free)?;
+        let mut slots = Vec::with_capacity(sequences + opts.spare_sequences);
+        for _ in 0..sequences {
             slots.push(Self::new_slot(&stream, c, opts.max_context)?);
         }
         let num_sms = ctx.attribute(
@@ -739,7 +767,6 @@ impl CudaBackend {
         let prefill_chunk = opts.prefill_chunk.min(opts.max_context);
         let prefill = prefill::PrefillScratch::new(&stream, c, prefill_chunk)?;
         let grouped_experts = prefill.grouped_experts(&stream);
-        let slot_bytes = Self::slot_bytes(c, opts.max_context);
         for _ in 0..opts.spare_sequences {
             let (free, _) = cudarc::driver::result::mem_get_info()?;
             if free < slot_bytes + SPARE_SLOT_RESERVE {
@@ -747,10 +774,10 @@ impl CudaBackend {
             }
             slots.push(Self::new_slot(&stream, c, opts.max_context)?);
         }
-        if slots.len() < opts.max_sequences + opts.spare_sequences {
+        if slots.len() < sequences + opts.spare_sequences {
             tracing::warn!(
                 wanted = opts.spare_sequences,
-                got = slots.len() - opts.max_sequences,
+                got = slots.len() - sequences,
                 "the free GPU memory holds fewer spare sequence slots than wanted"
             );
         }
@@ -1208,6 +1235,30 @@ mod tests {
     /// error that says so rather than cudarc's panic. Where the driver is installed there is
     /// nothing to check here.
     #[test]
+    fn sequence_slots_fit_the_free_memory_only_when_the_batch_was_not_asked_for() {
+        let gb = 1usize << 30;
+        let opts = |fit_sequences| CudaOptions {
+            max_context: 32768,
+            max_sequences: 32,
+            spare_sequences: 0,
+            fit_sequences,
+            use_graphs: true,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        };
+        assert_eq!(sequence_slots(&opts(false), gb, 40 * gb).unwrap(), 32);
+        assert_eq!(sequence_slots(&opts(true), gb, 40 * gb).unwrap(), 32);
+        // 12 GiB free: 10 slots leave the reserve.
+        assert_eq!(sequence_slots(&opts(true), gb, 12 * gb).unwrap(), 10);
+        let asked = sequence_slots(&opts(false), gb, 12 * gb).unwrap_err();
+        assert!(format!("{asked}").contains("--max-batch"), "{asked}");
+        // One slot is still tried where it fits beside less than the reserve...
+        assert_eq!(sequence_slots(&opts(true), gb, gb + gb / 2).unwrap(), 1);
+        // ...and refused, naming what to change, where it does not fit at all.
+        let none = sequence_slots(&opts(true), gb, gb / 2).unwrap_err();
+        assert!(format!("{none}").contains("--context"), "{none}");
+    }
+
+    #[test]
     fn a_missing_driver_is_an_error_not_a_panic() {
         // SAFETY: only opens (and closes) the shared library by its possible names.
         if unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -1219,6 +1270,7 @@ mod tests {
             max_context: 64,
             max_sequences: 1,
             spare_sequences: 0,
+            fit_sequences: false,
             use_graphs: true,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
         };
