@@ -404,20 +404,26 @@ fn listed_text(tokenizer: Option<&Tokenizer>, id: u32) -> String {
     }
 }
 
-/// One token in the legacy format: its text, log-probability, top alternatives, text offset.
+/// One token in the legacy format: its text, log-probability, top alternatives (the token
+/// itself among them, as OpenAI lists it: up to `logprobs` + 1 entries), text offset.
 fn legacy_logprobs(
     tokenizer: Option<&Tokenizer>,
     id: u32,
     l: &TokenLogprobs,
     offset: usize,
 ) -> CompletionLogprobs {
-    let top: Map<String, Value> = l
+    let mut top: Map<String, Value> = l
         .top
         .iter()
         .map(|t| (listed_text(tokenizer, t.token_id), logprob_value(t.logprob)))
         .collect();
+    let text = listed_text(tokenizer, id);
+    if l.logprob.is_finite() {
+        top.entry(text.clone())
+            .or_insert_with(|| logprob_value(l.logprob));
+    }
     CompletionLogprobs {
-        tokens: vec![listed_text(tokenizer, id)],
+        tokens: vec![text],
         token_logprobs: vec![Some(l.logprob)],
         top_logprobs: vec![Some(top)],
         text_offset: vec![offset],

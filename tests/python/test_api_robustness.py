@@ -617,8 +617,9 @@ def check_legacy_logprobs(logprobs, request: dict, opens: bool = True):
             assert value is None and alternatives is None, "the prompt's first token scored"
             continue
         check_logprob(value)
-        # Tokens with the same text (invalid UTF-8 pieces) share one key.
-        assert len(alternatives) <= top
+        # The token itself is listed beside the `top` most likely; tokens with the same text
+        # (invalid UTF-8 pieces) share one key.
+        assert len(alternatives) <= top + 1
         for alternative in alternatives.values():
             check_logprob(alternative)
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
