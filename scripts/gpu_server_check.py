@@ -15,7 +15,7 @@ without it, and each server is asked:
     every step), one with `min_tokens` (to the host for its first steps, then argmax on the
     device): the same tokens (checks a sequence moving between the mixed step's host and device
     rows);
-  - a 150-token prompt scored by `echo` with `logprobs` and `max_tokens: 0` (prefilled 64
+  - a 360-token prompt scored by `echo` with `logprobs` and `max_tokens: 0` (prefilled 256
     tokens at a time, every row's logits read back): its last token, the greedy continuation of
     the rest, must score what generating it reported within TOLERANCE;
   - all of these at once from several threads, streamed and not: every one succeeds.
@@ -187,7 +187,7 @@ def host_then_device(server: Server) -> list[str]:
 
 
 def scored_prompt(server: Server) -> list[str]:
-    context = "The quick brown fox jumps over the lazy dog; " * 3
+    context = "The quick brown fox jumps over the lazy dog; " * 8
     common = {"model": "lily-demo", "temperature": 0, "logprobs": 1, "logit_bias": NO_EOS}
     first = server.post("/v1/completions", {**common, "prompt": context, "max_tokens": 1})["choices"][0]
     generated = first["logprobs"]["token_logprobs"][0]

@@ -47,8 +47,9 @@ pub struct EngineOptions {
 }
 
 /// Prompt tokens a scored prompt (`prompt_logprobs`) prefills at a time: each brings its row of
-/// logits back to the host (1 MB a token at the 35B's vocabulary).
-const SCORED_CHUNK: usize = 64;
+/// logits back to the host (1 MB a token at the 35B's vocabulary, so 256 MB a chunk), and on
+/// the GPU each chunk reads the expert weights again.
+const SCORED_CHUNK: usize = 256;
 
 /// One generation to run.
 #[derive(Clone, Debug)]
@@ -1155,7 +1156,7 @@ mod tests {
         engine.join();
     }
 
-    /// A scored prompt (longer than a scored chunk and than the step's prefill budget): every
+    /// A scored prompt (longer than two scored chunks): every
     /// token after the first gets the log-softmax of the logits one prefill of the whole prompt
     /// gives at the position before it, with its top alternatives; `max_tokens` 0 ends it there,
     /// and with tokens to write the reply is the unscored request's.
@@ -1169,12 +1170,15 @@ mod tests {
             EngineOptions {
                 max_batch: 4,
                 max_queue: 8,
-                prefill_chunk: 100,
+                prefill_chunk: 1000,
                 prefix_cache: 2,
             },
         )
         .unwrap();
-        let prompt: Vec<u32> = (0..150).map(|i| (i * 37 % 200 + 1) as u32).collect();
+        // Chunks of SCORED_CHUNK, SCORED_CHUNK and the rest.
+        let prompt: Vec<u32> = (0..2 * SCORED_CHUNK + 88)
+            .map(|i| (i * 37 % 200 + 1) as u32)
+            .collect();
         let mut state = reference.new_state().unwrap();
         let all = reference
             .prefill(&mut state, &prompt, LogitsFor::All)
