@@ -12,6 +12,7 @@ use lily::config::{eos_token_ids, parse_ids};
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
 use lily::engine::generate::{GenerationParams, generate};
 use lily::engine::sampler::SamplingParams;
+use lily::engine::sampler::logprob_of;
 use lily::model::Model;
 use lily::quant::QuantSpec;
 use lily::server::{ServeOptions, ServedModel};
@@ -40,6 +41,23 @@ enum Command {
         /// Compute with the prefill path (whole prompt at once) or the decode path (one token at a time).
         #[arg(long, value_enum, default_value_t = PathKind::Prefill)]
         path: PathKind,
+        #[command(flatten)]
+        device: DeviceArgs,
+    },
+    /// Perplexity of a text (read on stdin) or of token ids: each token's negative
+    /// log-likelihood given those before it in its window, over the model's whole vocabulary (as
+    /// transformers computes it); prints `{"tokens", "windows", "scored", "nll", "perplexity"}`.
+    Perplexity {
+        /// Checkpoint directory (holding tokenizer.json, unless --ids is given).
+        #[arg(long)]
+        model: PathBuf,
+        /// Token ids, comma separated, instead of text on stdin.
+        #[arg(long, value_parser = parse_id_list)]
+        ids: Option<IdList>,
+        /// Tokens per window: the text is cut into windows that are each scored from a fresh
+        /// state, so a window's first token is not scored (at most --context on CUDA).
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(2..))]
+        window: u32,
         #[command(flatten)]
         device: DeviceArgs,
     },
@@ -374,6 +392,27 @@ fn run(cli: Cli) -> Result<()> {
             ))?;
             print_out(&format!("{}\n", serde_json::json!({ "logits": logits })))?;
         }
+        Command::Perplexity {
+            model,
+            ids,
+            window,
+            device,
+        } => {
+            let ids = match ids {
+                Some(ids) => ids.0,
+                None => Tokenizer::from_model_dir(&model)?.encode(&read_stdin()?)?,
+            };
+            anyhow::ensure!(ids.len() >= 2, "perplexity needs at least two tokens");
+            let window = window as usize;
+            anyhow::ensure!(
+                device.device == Device::Cpu || window <= device.context as usize,
+                "--window {window} is longer than --context {}",
+                device.context
+            );
+            let scores =
+                with_backend!(&model, device, |backend| perplexity(&backend, &ids, window))?;
+            print_out(&format!("{}\n", serde_json::to_string(&scores)?))?;
+        }
         Command::Serve(args) => serve(args)?,
         Command::Tokenize { model } => {
             let tokenizer = Tokenizer::from_model_dir(&model)?;
@@ -478,6 +517,48 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// What `lily perplexity` prints.
+#[derive(serde::Serialize)]
+struct Perplexity {
+    tokens: usize,
+    windows: usize,
+    /// Tokens after the first of each window.
+    scored: usize,
+    /// Mean negative log-likelihood (nats) of the scored tokens.
+    nll: f64,
+    perplexity: f64,
+}
+
+/// Prompt tokens prefilled at a time by `lily perplexity`: each chunk's logits come back whole.
+const PERPLEXITY_CHUNK: usize = 256;
+
+/// Scores `ids` window by window, each from a fresh state.
+fn perplexity<B: Backend>(backend: &B, ids: &[u32], window: usize) -> Result<Perplexity> {
+    let vocab = backend.config().vocab_size;
+    let (mut total, mut scored) = (0f64, 0usize);
+    for tokens in ids.chunks(window) {
+        let mut state = backend.new_state()?;
+        for (c, chunk) in tokens.chunks(PERPLEXITY_CHUNK).enumerate() {
+            let logits = backend.prefill(&mut state, chunk, LogitsFor::All)?;
+            let first = c * PERPLEXITY_CHUNK;
+            for (r, row) in logits.chunks_exact(vocab).enumerate() {
+                if let Some(&next) = tokens.get(first + r + 1) {
+                    total -= f64::from(logprob_of(row, next));
+                    scored += 1;
+                }
+            }
+        }
+    }
+    let nll = total / scored.max(1) as f64;
+    Ok(Perplexity {
+        tokens: ids.len(),
+        windows: ids.len().div_ceil(window),
+        scored,
+        nll,
+        perplexity: nll.exp(),
+    })
 }
 
 /// Logits of every prompt position, by the prefill or the decode path.

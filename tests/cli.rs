@@ -107,3 +107,59 @@ fn output_into_a_closed_pipe_stops_quietly() {
     assert_eq!(out.status.code(), Some(141), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// `lily perplexity` cuts the ids into windows, each scored from a fresh state without its first
+/// token, and its mean negative log-likelihood is the one the windows' own logits (`lily
+/// logits`) give.
+#[test]
+fn perplexity_is_the_mean_nll_of_each_windows_logits() {
+    let model = fixture();
+    let model = model.to_str().unwrap();
+    let ids: Vec<u32> = (0..40).map(|i| (i * 37 % 200 + 1) as u32).collect();
+    let list = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let out = lily(&[
+        "perplexity",
+        "--model",
+        model,
+        "--ids",
+        &list(&ids),
+        "--window",
+        "16",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["tokens"], 40);
+    assert_eq!(got["windows"], 3);
+    assert_eq!(got["scored"], 15 + 15 + 7);
+
+    let mut total = 0f64;
+    for window in ids.chunks(16) {
+        let out = lily(&["logits", "--model", model, "--prompt-ids", &list(window)]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        for (row, &next) in v["logits"].as_array().unwrap().iter().zip(&window[1..]) {
+            let row: Vec<f64> = row
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l.as_f64().unwrap())
+                .collect();
+            let max = row.iter().copied().fold(f64::MIN, f64::max);
+            let log_total = row.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+            total -= row[next as usize] - max - log_total;
+        }
+    }
+    let nll = got["nll"].as_f64().unwrap();
+    assert!(
+        (nll - total / 37.0).abs() < 1e-5,
+        "{nll} vs {}",
+        total / 37.0
+    );
+    assert!((got["perplexity"].as_f64().unwrap() - nll.exp()).abs() < 1e-9);
+
+    let one = lily(&["perplexity", "--model", model, "--ids", "5"]);
+    assert_refused(&one, &["at least two tokens"]);
+}
