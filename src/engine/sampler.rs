@@ -306,6 +306,40 @@ impl Sampler {
 /// most likely first, lowest id first on ties. Non-finite logits are left out, so the list is
 /// shorter than `n` when fewer tokens are possible.
 pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<TokenLogprob> {
+    if n == 0 {
+        return Vec::new();
+    }
+    top_under(logits, n, &LogSoftmax::over(finite_candidates(logits)))
+}
+
+/// The log-softmax of `logits` at `token_id` (non-finite logits are impossible tokens; an
+/// impossible `token_id` gets minus infinity).
+pub fn logprob_of(logits: &[f32], token_id: u32) -> f32 {
+    logprob_under(
+        logits,
+        token_id,
+        &LogSoftmax::over(finite_candidates(logits)),
+    )
+}
+
+/// [`logprob_of`] and [`top_logprobs`] together, the log-softmax's normaliser formed once (a
+/// pass over the vocabulary fewer per scored token).
+pub fn logprob_and_top(logits: &[f32], token_id: u32, n: usize) -> (f32, Vec<TokenLogprob>) {
+    let normaliser = LogSoftmax::over(finite_candidates(logits));
+    (
+        logprob_under(logits, token_id, &normaliser),
+        top_under(logits, n, &normaliser),
+    )
+}
+
+fn logprob_under(logits: &[f32], token_id: u32, normaliser: &LogSoftmax) -> f32 {
+    match logits.get(token_id as usize) {
+        Some(&logit) if logit.is_finite() => normaliser.logprob(logit),
+        _ => f32::NEG_INFINITY,
+    }
+}
+
+fn top_under(logits: &[f32], n: usize, normaliser: &LogSoftmax) -> Vec<TokenLogprob> {
     let mut candidates: Vec<Candidate> = finite_candidates(logits).collect();
     let n = n.min(candidates.len());
     if n == 0 {
@@ -314,7 +348,6 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<TokenLogprob> {
     candidates.select_nth_unstable_by(n - 1, Candidate::more_likely_first);
     candidates.truncate(n);
     candidates.sort_unstable_by(Candidate::more_likely_first);
-    let normaliser = LogSoftmax::over(finite_candidates(logits));
     candidates
         .iter()
         .map(|candidate| TokenLogprob {
@@ -322,17 +355,6 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<TokenLogprob> {
             logprob: normaliser.logprob(candidate.logit),
         })
         .collect()
-}
-
-/// The log-softmax of `logits` at `token_id` (non-finite logits are impossible tokens; an
-/// impossible `token_id` gets minus infinity).
-pub fn logprob_of(logits: &[f32], token_id: u32) -> f32 {
-    match logits.get(token_id as usize) {
-        Some(&logit) if logit.is_finite() => {
-            LogSoftmax::over(finite_candidates(logits)).logprob(logit)
-        }
-        _ => f32::NEG_INFINITY,
-    }
 }
 
 #[derive(Debug, Clone, Copy)]

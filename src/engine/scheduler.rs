@@ -27,7 +27,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use super::constraint::Constraint;
 use super::generate::{FinishReason, GenerationParams, Output};
 use super::prefix_cache::{MIN_CACHED_PREFIX, PrefixCache};
-use super::sampler::{Sampler, TokenLogprob, logprob_of, top_logprobs};
+use super::sampler::{Sampler, TokenLogprob, logprob_and_top, top_logprobs};
 use crate::backend::{Backend, DeviceDraw, LogitsFor};
 use crate::text::tokenizer::Tokenizer;
 
@@ -891,10 +891,8 @@ fn score_prompt<S>(
             break;
         };
         mask_padding(row, tokenizer);
-        s.prompt_scores.push(TokenLogprobs {
-            logprob: logprob_of(row, next),
-            top: top_logprobs(row, k),
-        });
+        let (logprob, top) = logprob_and_top(row, next, k);
+        s.prompt_scores.push(TokenLogprobs { logprob, top });
     }
     logits.split_off(logits.len() - vocab)
 }
@@ -958,6 +956,7 @@ mod tests {
     use crate::backend::{MixedStep, argmax};
     use crate::engine::generate::GenerationParams;
     use crate::engine::sampler::SamplingParams;
+    use crate::engine::sampler::logprob_of;
     use crate::model::demo::demo;
 
     /// The CPU backend drawing tokens itself, as the CUDA backend does (Gumbel-max at the draw's

@@ -16,7 +16,8 @@ use super::generation::{
     MAX_TOP_LOGPROBS, Plan, Shape, log_answered, merged_events, off_the_workers,
 };
 use super::openai::{
-    CommonFields, Completion, CompletionChoice, CompletionFields, CompletionLogprobs, Prompt, Usage,
+    CommonFields, Completion, CompletionChoice, CompletionFields, CompletionLogprobs, Prompt,
+    Usage, logprob_value,
 };
 use super::stream::{self, ChunkWriter, SseChunk, chunk, respond};
 use super::{AppState, unix_now};
@@ -428,13 +429,6 @@ fn legacy_logprobs(
         top_logprobs: vec![Some(top)],
         text_offset: vec![offset],
     }
-}
-
-/// A logprob as a JSON number written as `token_logprobs` writes its f32 (-0.5566907, not the
-/// f64 widening -0.5566906929016113), so that a chosen token's logprob and the same token's
-/// among the alternatives compare equal, as clients' greedy checks expect.
-fn logprob_value(logprob: f32) -> Value {
-    Value::from(logprob.to_string().parse::<f64>().unwrap_or(f64::NAN))
 }
 
 /// The echoed prompt `ids` in the legacy format, `scores` for its tokens after the first (the

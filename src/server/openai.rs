@@ -285,6 +285,7 @@ pub struct ChatLogprobs {
 #[derive(Debug, Serialize)]
 pub struct ChatTokenLogprob {
     pub token: String,
+    #[serde(serialize_with = "serialize_logprob")]
     pub logprob: f32,
     pub bytes: Vec<u8>,
     pub top_logprobs: Vec<ChatTopLogprob>,
@@ -293,8 +294,22 @@ pub struct ChatTokenLogprob {
 #[derive(Debug, Serialize)]
 pub struct ChatTopLogprob {
     pub token: String,
+    #[serde(serialize_with = "serialize_logprob")]
     pub logprob: f32,
     pub bytes: Vec<u8>,
+}
+
+/// A logprob as a JSON number: the f32's shortest decimal (-0.5566907), written the same
+/// whether serialised directly or through a `Value`, which would otherwise hold the f64 widening
+/// (-0.5566906929016113). Otherwise the same logprob written both ways in one reply (a chosen
+/// token and the same token among the alternatives) stops comparing equal, as clients' greedy
+/// checks expect it to.
+pub fn logprob_value(logprob: f32) -> Value {
+    Value::from(logprob.to_string().parse::<f64>().unwrap_or(f64::NAN))
+}
+
+fn serialize_logprob<S: serde::Serializer>(logprob: &f32, s: S) -> Result<S::Ok, S::Error> {
+    logprob_value(*logprob).serialize(s)
 }
 
 /// A text completion (`object: "text_completion"`), whole or one chunk of a stream.

@@ -572,10 +572,7 @@ impl ResponseReply {
         match event {
             Event::Token { id, text, logprobs } => {
                 if let Some(l) = logprobs {
-                    // Through its text, so that the f32 logprobs read as chat writes them
-                    // (-0.5566907, not the f64 widening -0.5566906929016113).
-                    let entry = serde_json::to_string(&token_logprob(&self.tokenizer, id, &l))
-                        .and_then(|text| serde_json::from_str(&text));
+                    let entry = serde_json::to_value(token_logprob(&self.tokenizer, id, &l));
                     self.pending_logprobs.push(entry.unwrap_or(Value::Null));
                 }
                 let delta = self.choice.push(&text, false);
