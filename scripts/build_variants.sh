@@ -7,11 +7,9 @@
 # tree itself and the patches' file names without `.patch`, joined by `+`, for the others.
 # Carry `target/variants` to the GPU machine and compare them there in one call with
 # scripts/ab_decode.sh, e.g.
-#   scripts/build_variants.sh docs/experiments/moe-staged-act.patch \
-#       docs/experiments/attention-split-early.patch+docs/experiments/moe-staged-act.patch
-#   scripts/ab_decode.sh -r 3 base=target/variants/base/lily \
-#       staged=target/variants/moe-staged-act/lily \
-#       both=target/variants/attention-split-early+moe-staged-act/lily
+#   scripts/build_variants.sh docs/experiments/a.patch docs/experiments/a.patch+docs/experiments/b.patch
+#   scripts/ab_decode.sh -r 3 base=target/variants/base/lily a=target/variants/a/lily \
+#       both=target/variants/a+b/lily
 # Each variant's patches are reverted after its build, also when the build fails.
 # With --gzip first, the binaries are stored gzipped (lily.gz ~4.4 MB against ~11.5, so a
 # call's 64 MiB carry holds about ten variants); unpack them on the GPU machine with

@@ -1109,7 +1109,7 @@ fn wide_quantized_rows_decode_like_the_cpu() {
     quantized_decode_against_cpu(&source, &formats, "hidden 1536");
 }
 
-/// Experts of 512 intermediates, as the real model's (moe_gate_up's 32 row blocks per slot,
+/// Experts of 512 intermediates, as the real model's (moe_gate_up's 16 row blocks per slot at 4 bits,
 /// moe_down's gathered rows of 8 groups per expert at 4-bit g64): prefill and decode against the
 /// CPU, 4- and 8-bit at three group sizes.
 #[test]

@@ -14,8 +14,9 @@ use super::prefill::GroupedExperts;
 use super::shapes::{
     ARGMAX_BLOCKS, ATTENTION_SPLITS, ATTENTION_WARPS, AttentionDims, COMBINE_DIMS, COMBINE_PARTS,
     DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetShape, GATE_UP_ROWS_PER_WARP, MATVEC_THREADS,
-    MoeDims, SAMPLE_THREADS, attention_split_blocks_per_split, attention_split_smem, mma_takes,
-    moe_down_staged_bytes, moe_slot_width, moe_token_blocks, staged_bytes, staged_floats_bits,
+    MoeDims, SAMPLE_THREADS, attention_split_blocks_per_split, attention_split_smem, gate_up_warps,
+    mma_takes, moe_down_staged_bytes, moe_slot_width, moe_stages_act, moe_token_blocks,
+    staged_bytes, staged_floats_bits,
 };
 use super::weights::{self, DeviceMixer, ptr};
 use super::{
@@ -107,6 +108,7 @@ impl CudaBackend {
             act: p(&sc.act),
             ids: ptr(&sc.ids, s),
             weights: p(&sc.weights),
+            routed_staged: p(&sc.routed_staged),
         };
 
         // A large batch's routed experts take prefill's grouped products, in its scratch.
@@ -595,13 +597,24 @@ impl CudaBackend {
         if tokens > 1 {
             return self.moe_tokens(layer, &dims, b, x, tokens, routed_blocks, grouped);
         }
+        // One token: blocks of gate_up_warps warps, which write moe_down's routed input already
+        // staged where the experts' format allows.
+        let format = self.k.expert_format;
+        let staged = if b.routed_staged != 0 && moe_stages_act(c, format) {
+            b.routed_staged
+        } else {
+            0
+        };
+        let warps = gate_up_warps(format);
         let launch = cfg(
-            routed_blocks,
+            c.moe_intermediate_size
+                .div_ceil(warps * GATE_UP_ROWS_PER_WARP) as u32,
             c.num_experts_per_tok as u32,
-            MATVEC_THREADS,
+            (warps * 32) as u32,
             smem,
         );
-        // SAFETY: as above; ids and weights hold top_k + 1 entries.
+        // SAFETY: as above; ids and weights hold top_k + 1 entries, `staged` (when not 0) the
+        // staged layout of top_k * intermediate values.
         unsafe {
             self.launch(
                 "moe_gate_up",
@@ -617,10 +630,11 @@ impl CudaBackend {
                     arg(&act),
                     arg(&ids),
                     arg(&weights),
+                    arg(&staged),
                 ],
             )
         }?;
-        self.moe_down_launch(layer, &dims, act, ids, weights, x, 1, false)
+        self.moe_down_launch(layer, &dims, act, ids, weights, x, 1, false, staged)
     }
 
     /// The routed experts of the MoE block for several tokens (after `moe_router_shared`):
@@ -713,11 +727,12 @@ impl CudaBackend {
             )
         }?;
         // The routing is two launches back by now.
-        self.moe_down_launch(layer, dims, act, ids, weights, x, tokens, true)
+        self.moe_down_launch(layer, dims, act, ids, weights, x, tokens, true, 0)
     }
 
     /// `moe_down` for `tokens` rows: every slot's down projection, weighted, added to the
-    /// residual rows `x`; `routed_early` when the routing was written two launches back.
+    /// residual rows `x`; `routed_early` when the routing was written two launches back;
+    /// `routed_staged` (one token, else 0) where `moe_gate_up` staged the routed input.
     #[allow(clippy::too_many_arguments)]
     fn moe_down_launch(
         &self,
@@ -729,6 +744,7 @@ impl CudaBackend {
         x: u64,
         tokens: usize,
         routed_early: bool,
+        routed_staged: u64,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
@@ -765,6 +781,7 @@ impl CudaBackend {
                     arg(&weights),
                     arg(&x),
                     arg(&routed_early),
+                    arg(&routed_staged),
                 ],
             )
         }?;

@@ -202,6 +202,9 @@ struct MoeBuffers {
     act: u64,
     ids: u64,
     weights: u64,
+    /// One token's routed input to `moe_down`, staged by `moe_gate_up` (0: none, `moe_down`
+    /// stages it from `act`).
+    routed_staged: u64,
 }
 
 // SAFETY: plain old data mirroring the structs of the same names in the kernel sources.
@@ -302,6 +305,8 @@ struct Scratch {
     part_out: CudaSlice<f32>,
     router_logits: CudaSlice<f32>,
     act: CudaSlice<f32>,
+    /// One token's routed activations in `moe_down`'s staged layout (`MoeBuffers::routed_staged`).
+    routed_staged: CudaSlice<f32>,
     ids: CudaSlice<i32>,
     weights: CudaSlice<f32>,
     logits: CudaSlice<f32>,
@@ -329,6 +334,7 @@ impl Scratch {
             &self.part_out,
             &self.router_logits,
             &self.act,
+            &self.routed_staged,
             &self.weights,
             &self.logits,
             &self.arg_val,
@@ -721,6 +727,9 @@ impl CudaBackend {
             part_out: z(heads_hd * ATTENTION_SPLITS)?,
             router_logits: z(c.num_experts + 1)?,
             act: z((c.num_experts_per_tok + 1) * inter)?,
+            routed_staged: stream.alloc_zeros::<f32>(
+                staged_floats_bits(c.num_experts_per_tok * c.moe_intermediate_size, 16).max(1),
+            )?,
             ids: stream.alloc_zeros::<i32>((c.num_experts_per_tok + 1) * rows)?,
             weights: z(c.num_experts_per_tok + 1)?,
             logits: z(c.vocab_size)?,

@@ -298,6 +298,27 @@ pub(super) fn moe_down_smem(c: &ModelConfig, smem_per_sm: u32) -> u32 {
         .min(MAX_DYNAMIC_SHARED_BYTES as u32)
 }
 
+/// Warps of a one-token `moe_gate_up` block (GATE_UP_WARPS in moe.cu) where its module is
+/// compiled for experts of `format`: 16 for 4-bit experts, whose blocks then hold 32
+/// intermediates, a whole chunk of `moe_down`'s staged input (`moe_stages_act`); 8 otherwise
+/// (the 8-bit and bf16 paths spill at 16 warps under the register cap that keeps a `moe_down`
+/// block beside one, and decoded 3.7% slower).
+pub(super) fn gate_up_warps(format: Option<WeightFormat>) -> usize {
+    match format {
+        Some(WeightFormat::Affine { bits: 4, .. }) => 16,
+        _ => 8,
+    }
+}
+
+/// Whether one token's `moe_gate_up` writes `moe_down`'s routed input already staged
+/// (`stage_block_act` in moe.cu), for a module compiled for experts of `format`: 4-bit experts
+/// (16-warp blocks of 32 intermediates, one 32-value chunk of the staged layout) whose
+/// intermediate size is whole chunks.
+pub(super) fn moe_stages_act(c: &ModelConfig, format: Option<WeightFormat>) -> bool {
+    gate_up_warps(format) * GATE_UP_ROWS_PER_WARP == 32
+        && c.moe_intermediate_size.is_multiple_of(32)
+}
+
 /// Floats a staged input of `cols` values takes for `bits`-bit weights (`staged_floats_bits` in
 /// rowdot.cuh): what each token's input takes in the batched MoE kernels.
 pub(super) fn staged_floats_bits(cols: usize, bits: usize) -> usize {
@@ -439,6 +460,23 @@ mod tests {
         // 8-bit: int16 inputs (two a float) and an (xscale, csum) pair per 16 of them.
         assert_eq!(staged_floats_bits(2048, 8), 1024 + 256);
         assert_eq!(staged_floats_bits(2048, 16), 2048);
+    }
+
+    #[test]
+    fn only_4_bit_experts_have_moe_down_input_staged_by_gate_up() {
+        let q4 = Some(WeightFormat::Affine { bits: 4, group: 64 });
+        let q8 = Some(WeightFormat::Affine { bits: 8, group: 64 });
+        // A 4-bit module's blocks hold 32 intermediates: one 4-bit chunk.
+        assert_eq!(gate_up_warps(q4) * GATE_UP_ROWS_PER_WARP, 32);
+        let mut c = config(include_str!("../../../configs/qwen3.6-35b-a3b.json"));
+        assert!(moe_stages_act(&c, q4));
+        for other in [q8, Some(WeightFormat::Bf16), None] {
+            assert_eq!(gate_up_warps(other), 8);
+            assert!(!moe_stages_act(&c, other));
+        }
+        // A slot of 48 intermediates ends mid-chunk.
+        c.moe_intermediate_size = 48;
+        assert!(!moe_stages_act(&c, q4));
     }
 
     #[test]

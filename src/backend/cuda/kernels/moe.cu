@@ -143,6 +143,7 @@ __device__ __forceinline__ int act_width(const MoeDims& d) {
 }
 
 #define GATE_UP_ROWS_PER_WARP 2
+#define MOE_WARPS 8  // warps of a moe_gate_up_tokens block (and of the staging moe_gate_up emulates)
 #define DOWN_ROWS_PER_WARP 1
 #define DOWN_PASS 4
 #ifndef MOE_DOWN_BATCHED_BLOCKS
@@ -240,21 +241,62 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
     }
 }
 
-// The routing a moe_gate_up block computes, in shared memory (one copy for every weight width).
+// Warps of a moe_gate_up block (gate_up_warps in shapes.rs). For 4-bit experts 16, of
+// GATE_UP_ROWS_PER_WARP intermediates each, so that a block holds a whole 32-value chunk of
+// moe_down's staged input and writes it (routed_gate_up_block), at a register cap that keeps a
+// moe_down block beside one; otherwise 8, writing f32 activations (the 8-bit and bf16 paths
+// spill at 16 warps under that cap: 3.7% slower at 8 bits).
+#if defined(MOE_BITS) && MOE_BITS == 4
+#define GATE_UP_WARPS 16
+#define GATE_UP_BOUNDS __maxnreg__(96)
+#else
+#define GATE_UP_WARPS 8
+#define GATE_UP_BOUNDS __launch_bounds__(256, 2)
+#endif
+#define GATE_UP_BLOCK_ROWS (GATE_UP_WARPS * GATE_UP_ROWS_PER_WARP)
+
+// The routing a moe_gate_up block computes, and its activations, in shared memory (one copy
+// for every weight width).
 struct Routing {
     unsigned long long keys[2 * MAX_EXPERTS];
     int ids[MAX_TOP_K + 1];
+    float weights[MAX_TOP_K + 1];
+    float act[GATE_UP_BLOCK_ROWS];
 };
+
+// This block's activations, times its slot's routing weight, into `staged`: moe_down's routed
+// input (the slots' activations one after another, top_k * intermediate values) in the staged
+// layout of 4-bit weights, bit for bit what moe_down's stage() makes of the f32 activations, so
+// that moe_down only copies it (where every one of its blocks staged all of it) and batched
+// steps, which stage the activations in moe_down, agree bit for bit. The block's 32
+// intermediates are one chunk of that layout (the host takes this path only for 4-bit experts
+// whose intermediate size is whole chunks: moe_stages_act). By warp 0.
+#if GATE_UP_BLOCK_ROWS == 32
+__device__ void stage_block_act(const MoeDims& d, const Routing& r, int slot, float* staged) {
+    const int lane = threadIdx.x & 31, block_first = blockIdx.x * GATE_UP_BLOCK_ROWS;
+    const bool valid = lane < GATE_UP_BLOCK_ROWS / 8 && block_first + lane * 8 < d.intermediate;
+    const int word = (slot * d.intermediate + block_first) / 8 + lane, cols = d.top_k * d.intermediate;
+    const float m = r.weights[slot];
+    float e[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) e[j] = valid ? r.act[lane * 8 + j] * m : 0.0f;
+    stage_word<4>(word, valid, cols, e, staged);
+}
+#endif
 
 // The routed gate/up rows of this block: x = RMSNorm(residual) staged first (the residual was
 // written two launches back), then the routing from the router logits of the previous kernel,
-// then the expert's rows. Block (0, 0) also writes the routing out, while its rows arrive.
+// then the expert's rows. Block (0, 0) also writes the routing out, while its rows arrive. The
+// activations go to `act` (f32), or with `staged` non-null (16-warp blocks only) weighted into
+// moe_down's staged input (stage_block_act).
 template <int BITS>
 __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
                                      const float* norm_scale, const float* router_logits, float* xs, float* scratch,
-                                     Routing& r, float* act, int* ids_out, float* weights_out) {
+                                     Routing& r, float* act, int* ids_out, float* weights_out, float* staged) {
+    // Staged as by a block of MOE_WARPS warps: bit for bit the input of moe_gate_up_tokens, so
+    // that a batched step's tokens get exactly their one-token activations.
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
-    const float x_scale = stage<BITS>(src, norm_scale, d.eps, xs, scratch);
+    const float x_scale = stage<BITS, GATE_UP_WARPS == MOE_WARPS ? 0 : MOE_WARPS * 32>(src, norm_scale, d.eps, xs, scratch);
     wait_for_previous_kernel();
     rank_experts(d, router_logits, r.keys, r.ids);
     const int slot = blockIdx.y;
@@ -263,22 +305,40 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     GateUpPass pass;
     gate_up_refs(g, u, r.ids[slot] * d.intermediate, d.intermediate, first, refs);
     gate_up_load<BITS>(refs, g, pass);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 32) {
-        routing_weights(d, router_logits, r.ids, weights_out);
-        if (threadIdx.x <= d.top_k) ids_out[threadIdx.x] = r.ids[threadIdx.x];
+    // The routing weights: for moe_down from block (0, 0), and where this block stages its
+    // activations (weighted), for itself.
+    const bool writes_routing = blockIdx.x == 0 && slot == 0;
+    if (threadIdx.x < 32 && (writes_routing || staged != nullptr)) {
+        routing_weights(d, router_logits, r.ids, r.weights);
+        __syncwarp();
+        if (writes_routing && threadIdx.x <= d.top_k) {
+            weights_out[threadIdx.x] = r.weights[threadIdx.x];
+            ids_out[threadIdx.x] = r.ids[threadIdx.x];
+        }
     }
+#if GATE_UP_BLOCK_ROWS == 32
+    if (staged != nullptr) {
+        // The block's intermediates (from block_first on) into r.act, then staged from there.
+        const int block_first = blockIdx.x * GATE_UP_BLOCK_ROWS;
+        gate_up_finish<BITS>(refs, g, d.intermediate - block_first, first - block_first, xs, x_scale, pass, r.act);
+        __syncthreads();
+        if (threadIdx.x < 32) stage_block_act(d, r, slot, staged);
+        return;
+    }
+#endif
     gate_up_finish<BITS>(refs, g, d.intermediate, first, xs, x_scale, pass,
                          act + (size_t)slot * max(d.intermediate, d.shared_intermediate));
 }
 
-// act[slot] = silu(gate_e · x) * (up_e · x) for each routed slot's expert, x = RMSNorm(residual).
+// act[slot] = silu(gate_e · x) * (up_e · x) for each routed slot's expert, x = RMSNorm(residual)
+// (or, with `staged`, moe_down's staged input made of them: routed_gate_up_block).
 // gate/up: routed experts stacked [experts * intermediate, hidden].
-// One token. Grid: (row blocks of 8 warps * GATE_UP_ROWS_PER_WARP rows, top_k). Every block routes;
-// block (0, 0) also writes the routing to ids_out/weights_out. Shared memory: 64 +
+// One token. Grid: (row blocks of GATE_UP_BLOCK_ROWS rows, top_k), GATE_UP_WARPS warps. Every
+// block routes; block (0, 0) also writes the routing to ids_out/weights_out. Shared memory: 64 +
 // staged_floats(hidden) floats.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
-                                                              const float* norm_scale, const float* router_logits,
-                                                              float* act, int* ids_out, float* weights_out) {
+extern "C" __global__ void GATE_UP_BOUNDS moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
+                                                     const float* norm_scale, const float* router_logits, float* act,
+                                                     int* ids_out, float* weights_out, float* staged) {
     d = moe_shape(d);
     gate = expert_weight(gate, d.experts * d.intermediate, d.hidden);
     up = expert_weight(up, d.experts * d.intermediate, d.hidden);
@@ -287,9 +347,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weig
     __shared__ Routing r;
     float* xs = smem + 64;
     switch (gate.bits) {
-        case 4: routed_gate_up_block<4>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out); break;
-        case 8: routed_gate_up_block<8>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out); break;
-        default: routed_gate_up_block<16>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out); break;
+        case 4: routed_gate_up_block<4>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged); break;
+        case 8: routed_gate_up_block<8>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged); break;
+        default: routed_gate_up_block<16>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged); break;
     }
 }
 
@@ -299,7 +359,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up(MoeDims d, Weig
 // warp stages one token's input (stage_by_warp, bit for bit the 256-thread stage of the
 // one-token kernels above).
 #define MOE_TOKENS_PER_BLOCK 8
-#define MOE_WARPS 8
 
 // The tokens of this block: first = blockIdx.z * per_block, count = at most per_block.
 __device__ __forceinline__ int2 block_tokens(int tokens, int per_block) {
@@ -443,10 +502,12 @@ __device__ __forceinline__ void down_first_pass(const MoeDims& d, const Weight& 
 // Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP), 1, tokens). Shared memory: 64 + staged_floats(top_k *
 // intermediate) + staged_floats(shared_intermediate) floats. routed_early: the routing was
 // written two launches back (moe_route, for several tokens), so the routed rows are requested
-// before the wait; else by the previous kernel (moe_gate_up), and after it.
+// before the wait; else by the previous kernel (moe_gate_up), and after it. routed_staged
+// (one token): the routed input already staged and weighted by moe_gate_up, copied instead of
+// staged from act.
 __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& down, const Weight& shared_down,
                                               const float* act, const int* ids_in, const float* weights_in,
-                                              float* residual, int routed_early) {
+                                              float* residual, int routed_early, const float* routed_staged) {
     extern __shared__ __align__(16) float smem[];
     const size_t token = blockIdx.z;
     act += token * act_width(d);
@@ -477,15 +538,34 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
     float* shared_xs = routed_xs + staged_floats(d.intermediate * d.top_k);
     const StageSource routed = {act, stride, d.intermediate, d.top_k, weights_in};
     const StageSource shared = {act + (size_t)d.top_k * stride, 0, d.shared_intermediate, 1, weights_in + d.top_k};
-    switch (down.bits) {
-        case 4: stage<4>(routed, nullptr, 0.0f, routed_xs, smem); break;
-        case 8: stage<8>(routed, nullptr, 0.0f, routed_xs, smem); break;
-        default: stage<16>(routed, nullptr, 0.0f, routed_xs, smem); break;
+    // Only a module of 16-warp moe_gate_up blocks (4-bit experts) is ever given the staged input:
+    // the others compile without its path.
+#if GATE_UP_BLOCK_ROWS == 32
+    const bool copies_staged = routed_staged != nullptr;
+#else
+    const bool copies_staged = false;
+#endif
+    if (copies_staged) {
+        // 16-byte copies in flight while the shared input is staged; complete before the dots.
+        const int pieces = staged_floats_bits(d.intermediate * d.top_k, down.bits) / 4;
+        const uint32_t dst = shared_address(routed_xs);
+        for (int i = threadIdx.x; i < pieces; i += blockDim.x) cp_async_16(dst + 16 * i, routed_staged + 4 * i);
+        cp_async_commit();
+    } else {
+        switch (down.bits) {
+            case 4: stage<4>(routed, nullptr, 0.0f, routed_xs, smem); break;
+            case 8: stage<8>(routed, nullptr, 0.0f, routed_xs, smem); break;
+            default: stage<16>(routed, nullptr, 0.0f, routed_xs, smem); break;
+        }
     }
     switch (shared_down.bits) {
         case 4: stage<4>(shared, nullptr, 0.0f, shared_xs, smem); break;
         case 8: stage<8>(shared, nullptr, 0.0f, shared_xs, smem); break;
         default: stage<16>(shared, nullptr, 0.0f, shared_xs, smem); break;
+    }
+    if (copies_staged) {
+        cp_async_wait<0>();
+        __syncthreads();
     }
     float out[DOWN_ROWS_PER_WARP] = {};
     switch (down.bits) {
@@ -506,12 +586,13 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
 
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
-                                                           float* residual, int routed_early) {
+                                                           float* residual, int routed_early,
+                                                           const float* routed_staged) {
     d = moe_shape(d);
     down = expert_weight(down, d.experts * d.hidden, d.intermediate);
     shared_down = expert_weight(shared_down, d.hidden, d.shared_intermediate);
     TRACE_BLOCK();
-    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
+    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early, routed_staged);
 }
 
 // moe_down for batched decode steps, whose grid rows (one per token) run in several waves:
@@ -520,12 +601,12 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
 // are alone.
 extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_BATCHED_BLOCKS) moe_down_batched(
     MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids_in, const float* weights_in,
-    float* residual, int routed_early) {
+    float* residual, int routed_early, const float* routed_staged) {
     d = moe_shape(d);
     down = expert_weight(down, d.experts * d.hidden, d.intermediate);
     shared_down = expert_weight(shared_down, d.hidden, d.shared_intermediate);
     TRACE_BLOCK();
-    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early);
+    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early, routed_staged);
 }
 
 // Each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot top_k is the

@@ -178,19 +178,30 @@ __device__ __forceinline__ void stage_word(int t, bool valid, int cols, const fl
 // Applying the norm after the products (they are linear in x) lets one pass over x both stage
 // it and sum its squares. scratch: 64 floats. Every thread takes whole 8-value words, so chunk
 // sums need no second pass.
-template <int BITS>
+//
+// THREADS (a multiple of 32, 0 for the whole block): stage by the block's first THREADS threads
+// only, bit for bit what a block of that many threads stages (the norm's sum of squares depends
+// on how the words are spread over the threads); every thread of the block still reaches the
+// barrier. A template parameter, so that the whole-block form compiles as it did before the
+// option existed.
+template <int BITS, int THREADS = 0>
 __device__ float stage(const StageSource& src, const float* norm_scale, float eps, float* xs, float* scratch) {
+    // Spelled as the whole-block form was before THREADS existed (blockDim.x unsigned), which
+    // the compiler then turns into the same code: other spellings cost the bf16 MoE kernels up
+    // to 24 registers.
+    const bool stages = THREADS == 0 || threadIdx.x < THREADS;
     const int cols = src.seg_cols * src.segments;
     float ss = 0.0f;
     const int words = cols / 8;
     // Warp-uniform trip count: stage_word's shuffles need every lane.
-    for (int t = threadIdx.x; t < ((words + 31) & ~31); t += blockDim.x) {
-        float e[8] = {};
-        if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
-        stage_word<BITS>(t, t < words, cols, e, xs);
-    }
-    const int warps = blockDim.x >> 5;
-    if (norm_scale != nullptr) {
+    if (stages)
+        for (int t = threadIdx.x; t < ((words + 31) & ~31); t += (THREADS == 0 ? blockDim.x : THREADS)) {
+            float e[8] = {};
+            if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
+            stage_word<BITS>(t, t < words, cols, e, xs);
+        }
+    const int warps = (THREADS == 0 ? blockDim.x : THREADS) >> 5;
+    if (norm_scale != nullptr && stages) {
         ss = warp_sum(ss);
         if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
     }

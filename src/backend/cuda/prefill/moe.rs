@@ -63,6 +63,7 @@ impl CudaBackend {
                 act: ps.moe.act,
                 ids: ps.moe.ids,
                 weights: ps.moe.weights,
+                routed_staged: 0,
             };
             self.moe(layer, &buffers, x, n, None)
         }
