@@ -73,12 +73,19 @@ __device__ __forceinline__ unsigned long long route_key(float v, int e) {
     return ((unsigned long long)ordered << 32) | (0xffffffffu - (uint32_t)e);
 }
 
+// The logit a route_key was made of, bit for bit.
+__device__ __forceinline__ float key_logit(unsigned long long key) {
+    const uint32_t ordered = (uint32_t)(key >> 32);
+    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+}
+
 // The key of slot e >= experts of a run of 32: below every expert's and distinct, so that each
 // padding slot of a short last run takes a rank of its own.
 __device__ __forceinline__ unsigned long long padding_key(int e) { return 0xffffffffu - (uint32_t)e; }
 
 // Picks the top_k experts from `logits` (global or shared memory; entry `experts`, the shared
-// expert's gate, is not read) into ids[0..top_k) and sets ids[top_k] = -1 (the shared expert);
+// expert's gate, is not read) into ids[0..top_k), their logits into chosen[0..top_k) (so that
+// their weights need no second read of `logits`), and sets ids[top_k] = -1 (the shared expert);
 // `keys` is shared scratch of 2 * MAX_EXPERTS entries. Called by every thread of the block
 // (whole warps); ends synchronised. Ranks instead of top_k rounds of argmax: each run of 32
 // experts keeps its own top min(top_k, 32) (a key's rank among the run's 32), then those
@@ -86,7 +93,8 @@ __device__ __forceinline__ unsigned long long padding_key(int e) { return 0xffff
 // consecutive threads (as many as the block has to spare, up to 8), each comparing it with every
 // split-th candidate: with 256 experts, top-8 and 256 threads, 16 comparisons per thread instead
 // of 64 (this sits on the critical path of every moe_gate_up block).
-__device__ void rank_experts(const MoeDims& d, const float* logits, unsigned long long* keys, int* ids) {
+__device__ void rank_experts(const MoeDims& d, const float* logits, unsigned long long* keys, int* ids,
+                             float* chosen) {
     const int runs = (d.experts + 31) / 32, kept = min(d.top_k, 32);
     unsigned long long* candidates = keys + MAX_EXPERTS;
     for (int e = threadIdx.x; e < runs * 32; e += blockDim.x)
@@ -118,22 +126,27 @@ __device__ void rank_experts(const MoeDims& d, const float* logits, unsigned lon
         for (int j = part; j < count; j += split) r += candidates[j] > key;
         for (int o = 1; o < split; o <<= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
         // The config has at least top_k experts, so ranks below top_k are real, distinct keys.
-        if (part == 0 && i < count && r < d.top_k) ids[r] = (int)(0xffffffffu - (uint32_t)key);
+        if (part == 0 && i < count && r < d.top_k) {
+            ids[r] = (int)(0xffffffffu - (uint32_t)key);
+            chosen[r] = key_logit(key);
+        }
     }
     if (threadIdx.x == 0) ids[d.top_k] = -1;
     __syncthreads();
 }
 
-// The routing weights of the ranked experts (their softmax renormalised over the top_k) and the
-// shared expert's gate sigmoid(logits[experts]) into weights[0..top_k]; by one warp.
-__device__ void routing_weights(const MoeDims& d, const float* logits, const int* ids, float* weights) {
+// The routing weights of the ranked experts (their softmax renormalised over the top_k, from
+// rank_experts' `chosen` logits) into weights[0..top_k), and, with `shared_gate`, the shared
+// expert's gate sigmoid(logits[experts]) into weights[top_k]; by one warp.
+__device__ void routing_weights(const MoeDims& d, const float* chosen, const float* logits, bool shared_gate,
+                                float* weights) {
     const int lane = threadIdx.x & 31;
-    const float v = lane < d.top_k ? logits[ids[lane]] : -INFINITY;
+    const float v = lane < d.top_k ? chosen[lane] : -INFINITY;
     const float top = warp_max(v);
     const float w = lane < d.top_k ? __expf(v - top) : 0.0f;
     const float total = warp_sum(w);
     if (lane < d.top_k) weights[lane] = w / total;
-    if (lane == 0) weights[d.top_k] = sigmoid(logits[d.experts]);
+    if (lane == 0 && shared_gate) weights[d.top_k] = sigmoid(logits[d.experts]);
 }
 
 // Several tokens at once: a token's rows of the residual stream, router logits, activations and
@@ -260,6 +273,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
 struct Routing {
     unsigned long long keys[2 * MAX_EXPERTS];
     int ids[MAX_TOP_K + 1];
+    float chosen[MAX_TOP_K];
     float weights[MAX_TOP_K + 1];
     float act[GATE_UP_BLOCK_ROWS];
 };
@@ -298,7 +312,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
     const float x_scale = stage<BITS, GATE_UP_WARPS == MOE_WARPS ? 0 : MOE_WARPS * 32>(src, norm_scale, d.eps, xs, scratch);
     wait_for_previous_kernel();
-    rank_experts(d, router_logits, r.keys, r.ids);
+    rank_experts(d, router_logits, r.keys, r.ids, r.chosen);
     const int slot = blockIdx.y;
     const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
     RowRef refs[2 * GATE_UP_ROWS_PER_WARP];
@@ -309,7 +323,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     // activations (weighted), for itself.
     const bool writes_routing = blockIdx.x == 0 && slot == 0;
     if (threadIdx.x < 32 && (writes_routing || staged != nullptr)) {
-        routing_weights(d, router_logits, r.ids, r.weights);
+        routing_weights(d, r.chosen, router_logits, writes_routing, r.weights);
         __syncwarp();
         if (writes_routing && threadIdx.x <= d.top_k) {
             weights_out[threadIdx.x] = r.weights[threadIdx.x];
@@ -620,6 +634,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(MoeDims d, const flo
     __shared__ float logits[MAX_EXPERTS + 1];
     __shared__ unsigned long long keys[2 * MAX_EXPERTS];
     __shared__ int chosen[MAX_TOP_K + 1];
+    __shared__ float chosen_logits[MAX_TOP_K];
     wait_for_previous_kernel();
     const size_t t = blockIdx.x;
     for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) {
@@ -629,8 +644,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(MoeDims d, const flo
         logits[e] = sum;
     }
     __syncthreads();
-    rank_experts(d, logits, keys, chosen);
-    if (threadIdx.x < 32) routing_weights(d, logits, chosen, weights + t * (d.top_k + 1));
+    rank_experts(d, logits, keys, chosen, chosen_logits);
+    if (threadIdx.x < 32) routing_weights(d, chosen_logits, logits, true, weights + t * (d.top_k + 1));
     for (int i = threadIdx.x; i <= d.top_k; i += blockDim.x) ids[t * (d.top_k + 1) + i] = chosen[i];
 }
 
