@@ -40,7 +40,7 @@ pub(super) const ATTENTION_TILE: usize = 16;
 pub(super) const ATTENTION_HEADS: usize = 8;
 /// Head dims per `attention_combine` block (COMBINE_DIMS) and threads per dim (COMBINE_PARTS).
 pub(super) const COMBINE_DIMS: usize = 64;
-pub(super) const COMBINE_PARTS: usize = 4;
+pub(super) const COMBINE_PARTS: usize = 8;
 /// Dynamic shared memory the staging kernels may use.
 pub(super) const MAX_DYNAMIC_SHARED_BYTES: usize = 200 * 1024;
 /// Threads of the one `sample_token` block (SAMPLE_THREADS in sample.cu).

@@ -469,7 +469,8 @@ extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) attention_split_
 }
 
 #define COMBINE_DIMS 64     // head dims per combine block
-#define COMBINE_PARTS 4     // thread groups splitting the splits
+#define COMBINE_PARTS 8     // thread groups splitting the splits
+#define COMBINE_HELD 16     // partial outputs a thread requests at once (the splits up to COMBINE_PARTS * 16)
 #define COMBINE_MAX_SPLITS 1024
 
 // Merges the splits of each head and applies the output gate sigmoid(gate), for token
@@ -482,28 +483,49 @@ extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) atten
     AttentionDims d, const float* proj, const int* position, const float* part_max, const float* part_sum,
     const float* part_out, float* out, const unsigned long long* position_of, const int* batch_context) {
     TRACE_BLOCK();
-    wait_for_previous_kernel();
     __shared__ float scratch[32];
     __shared__ float split_weight[COMBINE_MAX_SPLITS];
     __shared__ float partial[COMBINE_PARTS][COMBINE_DIMS];
     const int head = blockIdx.x, hd = d.head_dim, t = blockIdx.z;
     const int dim_in = threadIdx.x % COMBINE_DIMS, part = threadIdx.x / COMBINE_DIMS;
     const int dim = blockIdx.y * COMBINE_DIMS + dim_in;
+    // Before the wait: the position (an earlier launch's) and the output gate, which the qkv
+    // projection wrote three launches back (attention_split waited for attention_prepare, which
+    // waited for it).
     const int len = row_position(position, position_of, t) + 1;
     const int per = attention_token_split_len(len, d.splits, batch_context);
     const int splits = div_fast(len + per - 1, per);
     proj += (size_t)t * attention_proj_width(d);
+    const float gate = part == 0 && dim < hd ? proj[(size_t)head * 2 * hd + hd + dim] : 0.0f;
     out += (size_t)t * d.heads * hd;
     part_max += (size_t)t * d.heads * d.splits;
     part_sum += (size_t)t * d.heads * d.splits;
     part_out += (size_t)t * d.heads * d.splits * hd;
     const float* pm = part_max + (size_t)head * d.splits;
     const float* ps = part_sum + (size_t)head * d.splits;
-    float m = -INFINITY;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) m = fmaxf(m, pm[s]);
+    const float* po = part_out + (size_t)head * d.splits * hd + dim;
+    wait_for_previous_kernel();
+    // Every read of the splits' results goes out at once, one L2 round trip, the partial outputs
+    // into registers before the softmax's two reductions (only splits past what COMBINE_HELD
+    // holds, or past one per thread, are read after them).
+    const bool own = (int)threadIdx.x < splits;
+    const float own_max = own ? pm[threadIdx.x] : -INFINITY, own_sum = own ? ps[threadIdx.x] : 0.0f;
+    float held[COMBINE_HELD];
+#pragma unroll
+    for (int j = 0; j < COMBINE_HELD; ++j) {
+        const int s = part + j * COMBINE_PARTS;
+        held[j] = dim < hd && s < splits ? po[(size_t)s * hd] : 0.0f;
+    }
+    float m = own_max;
+    for (int s = threadIdx.x + blockDim.x; s < splits; s += blockDim.x) m = fmaxf(m, pm[s]);
     m = block_max(m, scratch);
     float l = 0.0f;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+    if (own) {
+        const float w = __expf(own_max - m);
+        split_weight[threadIdx.x] = w;
+        l = w * own_sum;
+    }
+    for (int s = threadIdx.x + blockDim.x; s < splits; s += blockDim.x) {
         const float w = __expf(pm[s] - m);
         split_weight[s] = w;
         l += w * ps[s];
@@ -511,17 +533,18 @@ extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) atten
     l = block_sum(l, scratch);
     float acc = 0.0f;
     if (dim < hd) {
-        const float* po = part_out + (size_t)head * d.splits * hd + dim;
-        // 8 loads in flight per thread: the splits' partial outputs come from L2 a batch per
-        // round trip.
-#pragma unroll 8
-        for (int s = part; s < splits; s += COMBINE_PARTS) acc += split_weight[s] * po[(size_t)s * hd];
+#pragma unroll
+        for (int j = 0; j < COMBINE_HELD; ++j) {
+            const int s = part + j * COMBINE_PARTS;
+            if (s < splits) acc += split_weight[s] * held[j];
+        }
+        for (int s = part + COMBINE_HELD * COMBINE_PARTS; s < splits; s += COMBINE_PARTS)
+            acc += split_weight[s] * po[(size_t)s * hd];
     }
     partial[part][dim_in] = acc;
     __syncthreads();
     if (part == 0 && dim < hd) {
         for (int p = 1; p < COMBINE_PARTS; ++p) acc += partial[p][dim_in];
-        const float gate = proj[(size_t)head * 2 * hd + hd + dim];
         out[(size_t)head * hd + dim] = acc / l * sigmoid(gate);
     }
 }
