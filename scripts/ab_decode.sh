@@ -74,10 +74,12 @@ for ((r = 1; r <= rounds; r++)); do
             status=1
             continue
         fi
-        grep -E "^decode +[0-9.]+ tok/s|^decode batch [0-9]+ .*tok/s" "$log/$name.log" | sed "s/^/$name  /"
+        grep -E "^decode +[0-9.]+ tok/s|^decode (batch [0-9]+|sampled) .*tok/s" "$log/$name.log" | sed "s/^/$name  /"
         # Rates as lily bench prints them (`decode  X tok/s ... (...; Y tok/s with each id read
-        # back ...)`, the second the steps one at a time; `decode batch N  X tok/s in all`), and with --critical-path the one-sequence step's replayed time and each
-        # kernel's microseconds per launch (`  NAME N launches X us Y us each Z%`).
+        # back ...)`, the second the steps one at a time; `decode sampled  X tok/s` with
+        # --temperature; `decode batch N  X tok/s in all`), and with --critical-path the
+        # one-sequence step's replayed time and each kernel's microseconds per launch
+        # (`  NAME N launches X us Y us each Z%`).
         awk -v label="${labels[$i]}" '
             function out(kind, value) { printf "%s\t%s\t%s\n", label, kind, value }
             /^decode +[0-9.]+ tok\/s/ {
@@ -85,6 +87,7 @@ for ((r = 1; r <= rounds; r++)); do
                 if (match($0, /; [0-9.]+ tok\/s with each id read back/))
                     out("one sequence, stepwise", substr($0, RSTART + 2) + 0)
                 next }
+            /^decode sampled +[0-9.]+ tok\/s/ { out("one sequence, sampled", $3); next }
             /^decode batch [0-9]+ / && /tok\/s/ && !/critical/ { out("batch " $3, $4); next }
             /^decode critical path, per kernel/ {
                 critical = 1; match($0, /step [0-9.]+ us/)

@@ -10,6 +10,7 @@ use crate::backend::cuda::weights::WeightFormat;
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, LogitsFor, RunChoice};
 use crate::config::{LayerKind, ModelConfig};
+use crate::engine::sampler::{Sampler, SamplingParams};
 use crate::model::Model;
 
 /// Qwen3.6-35B-A3B's text configuration, for synthetic runs.
@@ -38,6 +39,8 @@ pub struct BenchArgs {
     pub prefill_chunk: usize,
     /// Sequences decoded together in a second decode measurement (1: none).
     pub batch: usize,
+    /// Also time a decode whose tokens are drawn on the GPU with these parameters.
+    pub sampling: Option<SamplingParams>,
 }
 
 /// A batched decode measurement: `batch` sequences, each with its own prompt, one token of each
@@ -101,6 +104,35 @@ fn batched_decode(
         seconds,
         critical,
     })
+}
+
+/// Decode tokens/s of a run of `generate` tokens after `prompt`, each drawn on the device with
+/// `params` as a sampling request's are (after one untimed step, which captures the drawing
+/// step's graph).
+fn sampled_decode(
+    backend: &CudaBackend,
+    prompt: &[u32],
+    params: &SamplingParams,
+    generate: usize,
+) -> Result<f64> {
+    let mut sampler = Sampler::new(params.clone(), prompt)?;
+    let mut next = sampler.device_draws(backend.config().vocab_size).context(
+        "sampled decode: these parameters are not drawn on the GPU (give a temperature above 0)",
+    )?;
+    let mut state = backend.new_state()?;
+    let logits = backend.prefill(&mut state, prompt, LogitsFor::Last)?;
+    let first = crate::backend::argmax(&logits);
+    let token = backend.decode_sample(&mut [&mut state], &[first], &[next()])?[0];
+    backend.synchronize()?;
+    let mut left = generate - 1;
+    let start = Instant::now();
+    if left > 0 {
+        backend.decode_run(state, token, RunChoice::Drawn(&mut next), &mut |_| {
+            left -= 1;
+            Ok(left > 0)
+        })?;
+    }
+    Ok((generate - 1) as f64 / start.elapsed().as_secs_f64())
 }
 
 /// The configuration synthetic weights take, and what to call it: `path`'s, else
@@ -237,6 +269,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         })?;
     }
     drop(state);
+    let sampled_tok_s = match &args.sampling {
+        Some(params) => Some(sampled_decode(&backend, &prompt, params, args.generate)?),
+        None => None,
+    };
     let batched = if args.batch > 1 {
         Some(batched_decode(
             &backend,
@@ -342,6 +378,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         achieved / 1e9,
         100.0 * achieved / copy_bw
     )?;
+    if let (Some(tok_s), Some(p)) = (sampled_tok_s, &args.sampling) {
+        writeln!(
+            out,
+            "decode sampled     {tok_s:.1} tok/s ({:.3} ms/token; drawn on the GPU at temperature \
+             {}, top-p {}, top-k {}, min-p {})",
+            1e3 / tok_s,
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            p.min_p
+        )?;
+    }
     if let Some(b) = &batched {
         writeln!(
             out,
@@ -385,6 +433,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "decode_tokens": args.generate,
             "decode_tok_s": decode_tok_s,
             "decode_stepwise_tok_s": stepwise_tok_s,
+            "decode_sampled_tok_s": sampled_tok_s,
             "decode_bytes_per_token": bytes,
             "decode_gb_s": achieved / 1e9,
             "copy_gb_s": copy_bw / 1e9,

@@ -133,6 +133,17 @@ enum Command {
         /// --prompt tokens), one token of each per step.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
         batch: u32,
+        /// Also time a decode whose tokens are drawn on the GPU at this temperature (with
+        /// --top-p, --top-k and --min-p), as a sampling request's are.
+        #[arg(long)]
+        temperature: Option<f32>,
+        #[arg(long, default_value_t = 1.0, requires = "temperature")]
+        top_p: f32,
+        /// 0 disables top-k.
+        #[arg(long, default_value_t = 0, requires = "temperature")]
+        top_k: usize,
+        #[arg(long, default_value_t = 0.0, requires = "temperature")]
+        min_p: f32,
     },
     /// Serve an OpenAI-compatible API (without --model, the embedded demo model).
     Serve(ServeArgs),
@@ -490,6 +501,10 @@ fn run(cli: Cli) -> Result<()> {
             trace,
             prefill_chunk,
             batch,
+            temperature,
+            top_p,
+            top_k,
+            min_p,
         } => {
             use lily::backend::cuda::weights::WeightFormat;
             anyhow::ensure!(
@@ -513,6 +528,14 @@ fn run(cli: Cli) -> Result<()> {
                 trace,
                 prefill_chunk: prefill_chunk as usize,
                 batch: batch as usize,
+                sampling: temperature.map(|temperature| SamplingParams {
+                    temperature,
+                    top_p,
+                    top_k,
+                    min_p,
+                    seed: Some(0),
+                    ..SamplingParams::default()
+                }),
             })?;
         }
     }
