@@ -11,8 +11,8 @@ use lily::backend::{Backend, LogitsFor};
 use lily::config::{eos_token_ids, parse_ids};
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
 use lily::engine::generate::{GenerationParams, generate};
-use lily::engine::sampler::SamplingParams;
-use lily::engine::sampler::logprob_of;
+use lily::engine::sampler::{SamplingParams, logprob_of};
+use lily::engine::scheduler::SCORED_CHUNK;
 use lily::model::Model;
 use lily::quant::QuantSpec;
 use lily::server::{ServeOptions, ServedModel};
@@ -554,18 +554,15 @@ struct Perplexity {
     perplexity: f64,
 }
 
-/// Prompt tokens prefilled at a time by `lily perplexity`: each chunk's logits come back whole.
-const PERPLEXITY_CHUNK: usize = 256;
-
 /// Scores `ids` window by window, each from a fresh state.
 fn perplexity<B: Backend>(backend: &B, ids: &[u32], window: usize) -> Result<Perplexity> {
     let vocab = backend.config().vocab_size;
     let (mut total, mut scored) = (0f64, 0usize);
     for tokens in ids.chunks(window) {
         let mut state = backend.new_state()?;
-        for (c, chunk) in tokens.chunks(PERPLEXITY_CHUNK).enumerate() {
+        for (c, chunk) in tokens.chunks(SCORED_CHUNK).enumerate() {
             let logits = backend.prefill(&mut state, chunk, LogitsFor::All)?;
-            let first = c * PERPLEXITY_CHUNK;
+            let first = c * SCORED_CHUNK;
             for (r, row) in logits.chunks_exact(vocab).enumerate() {
                 if let Some(&next) = tokens.get(first + r + 1) {
                     total -= f64::from(logprob_of(row, next));

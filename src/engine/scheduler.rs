@@ -46,10 +46,10 @@ pub struct EngineOptions {
     pub prefix_cache: usize,
 }
 
-/// Prompt tokens a scored prompt (`prompt_logprobs`) prefills at a time: each brings its row of
-/// logits back to the host (1 MB a token at the 35B's vocabulary, so 256 MB a chunk), and on
-/// the GPU each chunk reads the expert weights again.
-const SCORED_CHUNK: usize = 256;
+/// Prompt tokens a scored prompt (`prompt_logprobs`, and `lily perplexity`) prefills at a time:
+/// each brings its row of logits back to the host (1 MB a token at the 35B's vocabulary, so
+/// 256 MB a chunk), and on the GPU each chunk reads the expert weights again.
+pub const SCORED_CHUNK: usize = 256;
 
 /// One generation to run.
 #[derive(Clone, Debug)]

@@ -728,7 +728,7 @@ impl CudaBackend {
             router_logits: z(c.num_experts + 1)?,
             act: z((c.num_experts_per_tok + 1) * inter)?,
             routed_staged: stream.alloc_zeros::<f32>(
-                staged_floats_bits(c.num_experts_per_tok * c.moe_intermediate_size, 16).max(1),
+                staged_floats_bits(c.num_experts_per_tok * c.moe_intermediate_size, 4).max(1),
             )?,
             ids: stream.alloc_zeros::<i32>((c.num_experts_per_tok + 1) * rows)?,
             weights: z(c.num_experts_per_tok + 1)?,
@@ -1240,9 +1240,6 @@ fn arg<T>(value: &T) -> *mut c_void {
 mod tests {
     use super::*;
 
-    /// Without the NVIDIA driver (the CPU-only machines CI runs on), starting the backend is an
-    /// error that says so rather than cudarc's panic. Where the driver is installed there is
-    /// nothing to check here.
     #[test]
     fn sequence_slots_fit_the_free_memory_only_when_the_batch_was_not_asked_for() {
         let gb = 1usize << 30;
@@ -1267,6 +1264,9 @@ mod tests {
         assert!(format!("{none}").contains("--context"), "{none}");
     }
 
+    /// Without the NVIDIA driver (the CPU-only machines CI runs on), starting the backend is an
+    /// error that says so rather than cudarc's panic. Where the driver is installed there is
+    /// nothing to check here.
     #[test]
     fn a_missing_driver_is_an_error_not_a_panic() {
         // SAFETY: only opens (and closes) the shared library by its possible names.
