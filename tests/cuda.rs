@@ -340,8 +340,15 @@ fn spare_slots_add_to_the_pool_of_states() {
 }
 
 /// Host reference of the device draw: softmax(logits / T), then top-k, then top-p over what
-/// top-k kept (the smallest most likely set reaching `top_p` of its mass), renormalised.
-fn filtered_probabilities(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Vec<f64> {
+/// top-k kept (the smallest most likely set reaching `top_p` of its mass), then min-p (tokens at
+/// least `min_p` times as likely as the most likely), renormalised. `top_k` 0: no top-k.
+fn filtered_probabilities(
+    logits: &[f32],
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    min_p: f32,
+) -> Vec<f64> {
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let weights: Vec<f64> = logits
         .iter()
@@ -349,7 +356,9 @@ fn filtered_probabilities(logits: &[f32], temperature: f32, top_k: usize, top_p:
         .collect();
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    order.truncate(top_k);
+    if top_k > 0 {
+        order.truncate(top_k);
+    }
     let total: f64 = order.iter().map(|&i| weights[i]).sum();
     let mut kept = Vec::new();
     let mut mass = 0.0;
@@ -360,11 +369,33 @@ fn filtered_probabilities(logits: &[f32], temperature: f32, top_k: usize, top_p:
             break;
         }
     }
+    kept.retain(|&i| weights[i] >= f64::from(min_p));
+    let mass: f64 = kept.iter().map(|&i| weights[i]).sum();
     let mut probs = vec![0.0; logits.len()];
     for &i in &kept {
         probs[i] = weights[i] / mass;
     }
     probs
+}
+
+/// Total variation distance between the draws' frequencies (`counts`) and `expected`, over bins
+/// of tokens in order of expected probability, each holding at least 5% of it (the last bin
+/// takes what remains): a broad distribution's per-token frequencies are too noisy to compare
+/// at a few thousand draws, its bins are not.
+fn binned_distance(counts: &[usize], expected: &[f64]) -> f64 {
+    let draws = counts.iter().sum::<usize>() as f64;
+    let mut order: Vec<usize> = (0..expected.len()).filter(|&i| expected[i] > 0.0).collect();
+    order.sort_by(|&a, &b| expected[b].total_cmp(&expected[a]));
+    let (mut distance, mut bin_expected, mut bin_count) = (0.0, 0.0, 0usize);
+    for (n, &i) in order.iter().enumerate() {
+        bin_expected += expected[i];
+        bin_count += counts[i];
+        if bin_expected >= 0.05 || n + 1 == order.len() {
+            distance += (bin_count as f64 / draws - bin_expected).abs();
+            (bin_expected, bin_count) = (0.0, 0);
+        }
+    }
+    distance / 2.0
 }
 
 #[test]
@@ -395,7 +426,7 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
         gpu.decode_sample(&mut [&mut s], last, &[d]).unwrap()[0] as usize
     };
 
-    let expected = filtered_probabilities(&logits, 0.8, 50, 0.9);
+    let expected = filtered_probabilities(&logits, 0.8, 50, 0.9, 0.0);
     let draws = 8000;
     let mut counts = vec![0usize; vocab];
     for seed in 0..draws {
@@ -425,6 +456,70 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
         argmax(&logits) as usize,
         "top-1 is the argmax"
     );
+}
+
+/// The device draw's other paths (sample.cu) against the host reference, on the same logits:
+/// temperature alone (each scan block draws from its slice), top-p or min-p alone with a kept
+/// set among the scan blocks' candidates, and, at higher temperatures, kept sets reaching below
+/// some block's candidates (the finishing block filters the whole row). Which path a setting
+/// takes depends on the fixture's logits (1,024 tokens in 4 slices of 256, 63 candidates each:
+/// the most likely ~35 and ~216 tokens, then ~640 and ~460); all must follow the distribution.
+#[test]
+fn device_draws_follow_the_distribution_on_every_path() {
+    let dir = &fixtures()[0];
+    let model = Model::load(dir).unwrap();
+    let vocab = model.config.vocab_size;
+    let gpu = cuda(&model, 3);
+    let prompt = &prompts(dir)[0];
+    let (head, last) = prompt.split_at(prompt.len() - 1);
+    let mut base = gpu.new_state().unwrap();
+    gpu.prefill(&mut base, head, LogitsFor::Last).unwrap();
+    let logits = {
+        let mut probe = gpu.fork(&base).unwrap();
+        gpu.decode(&mut [&mut probe], last).unwrap()
+    };
+    let sample = |d: DeviceDraw| {
+        let mut s = gpu.fork(&base).unwrap();
+        gpu.decode_sample(&mut [&mut s], last, &[d]).unwrap()[0] as usize
+    };
+    // (temperature, top-p, min-p), top-k off.
+    for (temperature, top_p, min_p) in [
+        (1.0, 1.0, 0.0),
+        (2.0, 0.5, 0.0),
+        (2.0, 1.0, 0.01),
+        (3.0, 0.95, 0.0),
+        (4.0, 1.0, 0.05),
+    ] {
+        let draw = |seed: u64| DeviceDraw {
+            temperature,
+            top_k: 0,
+            top_p,
+            min_p,
+            allowed: vocab,
+            seed,
+        };
+        let expected = filtered_probabilities(&logits, temperature, 0, top_p, min_p);
+        let setting = format!("temperature {temperature}, top-p {top_p}, min-p {min_p}");
+        let draws = 6000;
+        let mut counts = vec![0usize; vocab];
+        for seed in 0..draws {
+            let id = sample(draw(seed));
+            assert!(
+                expected[id] > 0.0,
+                "{setting}: drew token {id}, which the filters drop"
+            );
+            counts[id] += 1;
+        }
+        let kept = expected.iter().filter(|&&p| p > 0.0).count();
+        let distance = binned_distance(&counts, &expected);
+        println!("{setting}: {kept} tokens kept, binned distance over {draws} draws {distance:.4}");
+        assert!(distance < 0.04, "{setting}: binned distance {distance}");
+        assert_eq!(
+            sample(draw(11)),
+            sample(draw(11)),
+            "{setting}: same seed, same token"
+        );
+    }
 }
 
 /// A mixed step (`decode_mixed`: rows drawn on the device beside rows whose logits the host

@@ -14,9 +14,9 @@ use super::prefill::GroupedExperts;
 use super::shapes::{
     ARGMAX_BLOCKS, ATTENTION_SPLITS, ATTENTION_WARPS, AttentionDims, COMBINE_DIMS, COMBINE_PARTS,
     DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetShape, GATE_UP_ROWS_PER_WARP, MATVEC_THREADS,
-    MoeDims, SAMPLE_THREADS, attention_split_blocks_per_split, attention_split_smem, gate_up_warps,
-    mma_takes, moe_down_staged_bytes, moe_slot_width, moe_stages_act, moe_token_blocks,
-    staged_bytes, staged_floats_bits,
+    MoeDims, SAMPLE_SCAN_THREADS, SAMPLE_THREADS, attention_split_blocks_per_split,
+    attention_split_smem, gate_up_warps, mma_takes, moe_down_staged_bytes, moe_slot_width,
+    moe_stages_act, moe_token_blocks, sample_slices, staged_bytes, staged_floats_bits,
 };
 use super::weights::{self, DeviceMixer, ptr};
 use super::{
@@ -215,15 +215,43 @@ impl CudaBackend {
             StepEnd::Sampled => {
                 let (desc, desc_of) =
                     seqs.buffer(|slot| ptr(&slot.sampling, s), |_| BatchTables::SAMPLING, s);
-                // SAFETY: one block over each row's logits; desc is the slot's settings.
+                let (slice, blocks) =
+                    sample_slices(c.vocab_size).context("vocabulary too large to sample")?;
+                let parts = sc.sample_parts(s);
+                let slice_arg = slice as i32;
+                // SAFETY: `blocks` blocks of `slice` logits (as many floats of shared memory)
+                // per row, within the SAMPLE_MAX_BLOCKS entries per row of the parts.
                 unsafe {
                     self.launch(
-                        "sample_token",
-                        &self.k.sample_token,
+                        "sample_scan",
+                        &self.k.sample_scan,
+                        cfg(
+                            blocks as u32,
+                            rows as u32,
+                            SAMPLE_SCAN_THREADS,
+                            (slice * size_of::<f32>()) as u32,
+                        ),
+                        &mut [
+                            arg(&logits),
+                            arg(&n),
+                            arg(&slice_arg),
+                            arg(&desc),
+                            arg(&desc_of),
+                            arg(&parts),
+                        ],
+                    )
+                }?;
+                let blocks_arg = blocks as i32;
+                // SAFETY: one block over each row's partials; desc is the slot's settings.
+                unsafe {
+                    self.launch(
+                        "sample_finish",
+                        &self.k.sample_finish,
                         cfg(1, rows as u32, SAMPLE_THREADS, 0),
                         &mut [
                             arg(&logits),
                             arg(&n),
+                            arg(&blocks_arg),
                             arg(&desc),
                             arg(&token),
                             arg(&position),
@@ -231,6 +259,7 @@ impl CudaBackend {
                             arg(&token_of),
                             arg(&position_of),
                             arg(&chosen),
+                            arg(&parts),
                         ],
                     )
                 }?;

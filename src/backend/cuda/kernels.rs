@@ -95,7 +95,8 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
         "sample" => &[
             "argmax_partial",
             "argmax_final",
-            "sample_token",
+            "sample_scan",
+            "sample_finish",
             "advance_position",
         ],
         "fill" => &["fill_bf16", "fill_u32"],

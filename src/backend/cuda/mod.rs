@@ -196,6 +196,22 @@ struct AttentionSplits {
     out: u64,
 }
 
+/// What a draw's `sample_scan` leaves for its `sample_finish` (device addresses; `struct
+/// SampleParts` in sample.cu).
+#[repr(C)]
+struct SampleParts {
+    block_max: u64,
+    rest: u64,
+    cut: u64,
+    draw_val: u64,
+    draw_id: u64,
+    candidate_logit: u64,
+    candidate_id: u64,
+}
+
+// SAFETY: plain old data mirroring `struct SampleParts` in sample.cu.
+unsafe impl DeviceRepr for SampleParts {}
+
 /// Where the MoE launches keep their per-token rows (device addresses).
 struct MoeBuffers {
     router_logits: u64,
@@ -280,7 +296,8 @@ struct Kernels {
     moe_gate_up_tokens: CudaFunction,
     argmax_partial: CudaFunction,
     argmax_final: CudaFunction,
-    sample_token: CudaFunction,
+    sample_scan: CudaFunction,
+    sample_finish: CudaFunction,
     advance_position: CudaFunction,
     rows_to_half: CudaFunction,
     gemm_q: CudaFunction,
@@ -312,6 +329,15 @@ struct Scratch {
     logits: CudaSlice<f32>,
     arg_val: CudaSlice<f32>,
     arg_idx: CudaSlice<i32>,
+    /// What `sample_scan` leaves for `sample_finish` (`SampleParts`), SAMPLE_MAX_BLOCKS entries
+    /// per row (SAMPLE_CANDIDATES each for the candidates).
+    sample_max: CudaSlice<f32>,
+    sample_rest: CudaSlice<f32>,
+    sample_cut: CudaSlice<u32>,
+    sample_val: CudaSlice<f32>,
+    sample_id: CudaSlice<i32>,
+    candidate_logit: CudaSlice<f32>,
+    candidate_id: CudaSlice<i32>,
     /// A batched step's chosen ids, a row each (the slots' token buffers hold them too).
     chosen: CudaSlice<i32>,
     /// The sum of a batched step's context lengths, for attention splits shared in proportion
@@ -338,12 +364,19 @@ impl Scratch {
             &self.weights,
             &self.logits,
             &self.arg_val,
+            &self.sample_max,
+            &self.sample_rest,
+            &self.sample_val,
+            &self.candidate_logit,
         ]
         .iter()
         .map(|v| v.num_bytes())
         .sum::<usize>()
             + self.ids.num_bytes()
             + self.arg_idx.num_bytes()
+            + self.sample_cut.num_bytes()
+            + self.sample_id.num_bytes()
+            + self.candidate_id.num_bytes()
             + self.chosen.num_bytes()
             + self.batch_context.num_bytes()
             + self.mma_x16.num_bytes()
@@ -352,6 +385,18 @@ impl Scratch {
 
     fn mma_staging(&self, s: &CudaStream) -> MmaStaging {
         MmaStaging::of(&self.mma_x16, &self.mma_xscale, s)
+    }
+
+    fn sample_parts(&self, s: &CudaStream) -> SampleParts {
+        SampleParts {
+            block_max: ptr(&self.sample_max, s),
+            rest: ptr(&self.sample_rest, s),
+            cut: ptr(&self.sample_cut, s),
+            draw_val: ptr(&self.sample_val, s),
+            draw_id: ptr(&self.sample_id, s),
+            candidate_logit: ptr(&self.candidate_logit, s),
+            candidate_id: ptr(&self.candidate_id, s),
+        }
     }
 }
 
@@ -599,7 +644,8 @@ impl CudaBackend {
             moe_gate_up_tokens: get("moe_gate_up_tokens")?,
             argmax_partial: get("argmax_partial")?,
             argmax_final: get("argmax_final")?,
-            sample_token: get("sample_token")?,
+            sample_scan: get("sample_scan")?,
+            sample_finish: get("sample_finish")?,
             advance_position: get("advance_position")?,
             rows_to_half: get("rows_to_half")?,
             gemm_q: get("gemm_q")?,
@@ -711,6 +757,12 @@ impl CudaBackend {
                 && moe_down_staged_bytes(c) as usize <= MAX_DYNAMIC_SHARED_BYTES,
             "layer widths too large for the CUDA kernels' shared-memory staging"
         );
+        ensure!(
+            sample_slices(c.vocab_size).is_some(),
+            "vocab_size {} is too large for the CUDA sampler (at most {})",
+            c.vocab_size,
+            SAMPLE_MAX_BLOCKS * SAMPLE_MAX_SLICE
+        );
         let heads_hd = c.num_attention_heads * c.head_dim;
         let proj = (c.linear_conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads)
             .max(heads_hd * 2 + 2 * c.num_key_value_heads * c.head_dim);
@@ -735,6 +787,14 @@ impl CudaBackend {
             logits: z(c.vocab_size)?,
             arg_val: z(ARGMAX_BLOCKS)?,
             arg_idx: stream.alloc_zeros::<i32>(ARGMAX_BLOCKS * rows)?,
+            sample_max: z(SAMPLE_MAX_BLOCKS)?,
+            sample_rest: z(SAMPLE_MAX_BLOCKS)?,
+            sample_cut: stream.alloc_zeros::<u32>(SAMPLE_MAX_BLOCKS * rows)?,
+            sample_val: z(SAMPLE_MAX_BLOCKS)?,
+            sample_id: stream.alloc_zeros::<i32>(SAMPLE_MAX_BLOCKS * rows)?,
+            candidate_logit: z(SAMPLE_MAX_BLOCKS * SAMPLE_CANDIDATES)?,
+            candidate_id: stream
+                .alloc_zeros::<i32>(SAMPLE_MAX_BLOCKS * SAMPLE_CANDIDATES * rows)?,
             chosen: stream.alloc_zeros::<i32>(rows)?,
             batch_context: stream.alloc_zeros::<i32>(1)?,
             mma_x16: stream.alloc_zeros::<u16>(MmaStaging::halves(rows, widest.max(inter)))?,
@@ -1059,7 +1119,7 @@ impl Backend for CudaBackend {
         true
     }
 
-    /// Sampled decode with the draw on the device (`sample_token` in sample.cu): only the chosen
+    /// Sampled decode with the draw on the device (`sample_scan`, `sample_finish` in sample.cu): only the chosen
     /// ids come back.
     fn decode_sample(
         &self,
@@ -1087,7 +1147,7 @@ impl Backend for CudaBackend {
 
     /// The step every row draws on the device, rows left to the host with a top-1 draw that
     /// only fills their slot's token: the host's choice replaces it as the next input. Their
-    /// logits are the step's own (`sample_token` reads them in place).
+    /// logits are the step's own (`sample_scan` reads them in place).
     fn decode_mixed(
         &self,
         states: &mut [&mut CudaState],

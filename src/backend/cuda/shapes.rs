@@ -43,8 +43,30 @@ pub(super) const COMBINE_DIMS: usize = 64;
 pub(super) const COMBINE_PARTS: usize = 8;
 /// Dynamic shared memory the staging kernels may use.
 pub(super) const MAX_DYNAMIC_SHARED_BYTES: usize = 200 * 1024;
-/// Threads of the one `sample_token` block (SAMPLE_THREADS in sample.cu).
+/// Threads of a row's `sample_finish` block (SAMPLE_THREADS in sample.cu).
 pub(super) const SAMPLE_THREADS: u32 = 1024;
+/// Threads of a `sample_scan` block (SAMPLE_SCAN_THREADS).
+pub(super) const SAMPLE_SCAN_THREADS: u32 = 256;
+/// Candidates a `sample_scan` block keeps for a filtered draw (SAMPLE_CANDIDATES).
+pub(super) const SAMPLE_CANDIDATES: usize = 64;
+/// Most `sample_scan` blocks per row (SAMPLE_MAX_BLOCKS): `sample_finish` holds all their
+/// candidates in shared memory.
+pub(super) const SAMPLE_MAX_BLOCKS: usize = 128;
+/// Largest slice of a `sample_scan` block: its logits are held in dynamic shared memory, which
+/// stays under the 48 KB a launch may take without opting in (beside its static arrays).
+pub(super) const SAMPLE_MAX_SLICE: usize = 10 * 1024;
+
+/// The logits each `sample_scan` block takes of a vocabulary of `vocab`, and the blocks per
+/// row: SAMPLE_MAX_BLOCKS slices, each at least 256 logits, so that a small vocabulary still
+/// leaves each block more than its candidates; `None` when a vocabulary is too large for the
+/// blocks' shared memory (over 1.3M).
+pub(super) fn sample_slices(vocab: usize) -> Option<(usize, usize)> {
+    let slice = vocab
+        .div_ceil(SAMPLE_MAX_BLOCKS)
+        .max(256)
+        .next_multiple_of(32);
+    (slice <= SAMPLE_MAX_SLICE).then(|| (slice, vocab.div_ceil(slice).max(1)))
+}
 /// Blocks of the first argmax pass.
 pub(super) const ARGMAX_BLOCKS: usize = 256;
 
@@ -440,6 +462,28 @@ mod tests {
         c.linear_key_head_dim = key_dim;
         c.linear_value_head_dim = value_dim;
         c
+    }
+
+    #[test]
+    fn sample_slices_cover_the_vocabulary_in_at_most_the_most_blocks() {
+        // Qwen3.6's padded vocabulary: 128 slices of 1,952 logits.
+        assert_eq!(sample_slices(248_320), Some((1_952, 128)));
+        // Small vocabularies keep slices of 256, so that a block has more than its candidates.
+        assert_eq!(sample_slices(1_024), Some((256, 4)));
+        assert_eq!(sample_slices(275), Some((256, 2)));
+        assert_eq!(sample_slices(1), Some((256, 1)));
+        for vocab in [1, 255, 256, 257, 32_768, 151_936, 248_044, 1_000_000] {
+            let (slice, blocks) = sample_slices(vocab).unwrap();
+            assert!(
+                blocks <= SAMPLE_MAX_BLOCKS && slice * blocks >= vocab,
+                "{vocab}"
+            );
+            assert!(slice * (blocks - 1) < vocab, "{vocab}: an empty slice");
+        }
+        assert_eq!(
+            sample_slices(SAMPLE_MAX_BLOCKS * SAMPLE_MAX_SLICE + 1),
+            None
+        );
     }
 
     #[test]

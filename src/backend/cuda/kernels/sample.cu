@@ -71,14 +71,31 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
     position[0] += by;
 }
 
-// Sampling on the device: temperature, top-k, top-p and min-p filters, then one draw, by a single
-// block, so that only the chosen id crosses to the host. The thresholds come from radix selects
-// over the logits' order-preserving bit patterns (four 8-bit passes each), the draw is the
-// Gumbel-max trick (the argmax of logit / T + Gumbel noise is a draw from the softmax), and the
-// noise is a hash of (seed, token id), so the same seed gives the same token. Probability mass is
-// summed in fixed point so the top-p cut does not depend on the order of atomic additions.
+// Sampling on the device: temperature, top-k, top-p and min-p filters, then one draw, so that
+// only the chosen id crosses to the host. The draw is the Gumbel-max trick (the argmax of
+// logit / T + Gumbel noise is a draw from the softmax) and the noise is a hash of (seed, token
+// id), so the same seed gives the same token. The filters keep the tokens whose logit's order
+// key reaches a threshold found by radix selects (8 bits at a time), with probability mass
+// summed in fixed point so that no cut depends on the order of atomic additions.
+//
+// Two launches, like the greedy argmax, since one block over a whole vocabulary of 248K logits
+// takes milliseconds (every pass over them from one SM, the noise's hashes and logarithms for
+// every token). sample_scan splits the row over up to SAMPLE_MAX_BLOCKS blocks:
+//   - unfiltered draws (temperature alone, the OpenAI default): each block draws from its slice
+//     and sample_finish keeps the best of the blocks' draws;
+//   - filtered draws: each block keeps its slice's largest logits as candidates (those above the
+//     key `cut` of its SAMPLE_CANDIDATES-th largest) with the mass of the rest, and sample_finish
+//     finds the thresholds among the blocks' candidates. That is exact whenever every kept token
+//     is a candidate, i.e. each threshold lies above every block's cut (top-k up to ~60, top-p
+//     or min-p sets of the most likely few thousand tokens); otherwise sample_finish filters
+//     the whole row itself, as one block.
 
-#define SAMPLE_THREADS 1024
+#define SAMPLE_THREADS 1024      // threads of sample_finish
+#define SAMPLE_SCAN_THREADS 256  // threads of a sample_scan block
+#define SAMPLE_CANDIDATES 64     // candidates a sample_scan block keeps (at most, and one fewer)
+#define SAMPLE_MAX_BLOCKS 128    // sample_scan blocks per row
+// Candidates of a row per sample_finish thread, held in registers.
+#define SAMPLE_PER_THREAD (SAMPLE_MAX_BLOCKS * SAMPLE_CANDIDATES / SAMPLE_THREADS)
 
 struct SamplingDesc {
     float temperature;  // > 0
@@ -89,10 +106,27 @@ struct SamplingDesc {
     unsigned long long seed;
 };
 
-// Larger floats give larger keys (NaN aside).
+// What sample_scan leaves for sample_finish: entry row * blocks + b per scan block b of a row
+// (SAMPLE_CANDIDATES entries each for the candidates).
+struct SampleParts {
+    float* block_max;   // the slice's largest finite logit (-inf: none)
+    float* rest;        // sum of exp((l - block_max) / T) over its finite logits left out
+    uint32_t* cut;      // every key left out is at most this (0: none left out)
+    float* draw_val;    // unfiltered: the slice's largest l / T + noise
+    int* draw_id;
+    float* cand_logit;  // the candidates' logits, -inf past the last
+    int* cand_id;
+};
+
+// Larger floats give larger keys (NaN aside); a finite float's key is never 0.
 __device__ __forceinline__ uint32_t order_key(float f) {
     const uint32_t u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The float of an order key.
+__device__ __forceinline__ float key_value(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
 __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
@@ -114,134 +148,407 @@ __device__ __forceinline__ unsigned long long fixed_weight(float l, float max_lo
     return (unsigned long long)(__expf((l - max_logit) * inv_t) * 4294967296.0f);
 }
 
-// The largest key K such that the keys >= K that pass `kept` hold at least `target` of the
-// measure `amount` (count or fixed-point mass), found 8 bits at a time from the top.
-template <typename Amount, typename Kept>
-__device__ uint32_t radix_threshold(const float* logits, int n, unsigned long long target, Amount amount, Kept kept,
-                                    unsigned long long* hist, uint32_t* shared_prefix,
-                                    unsigned long long* shared_above) {
+__device__ __forceinline__ bool draw_is_filtered(const SamplingDesc& d, int n) {
+    return (d.top_k > 0 && d.top_k < n) || d.top_p < 1.0f || d.min_p > 0.0f;
+}
+
+// The best (value, id) of the block, in warp 0 (ties to the lower id); vals/idxs: 32 entries.
+__device__ __forceinline__ void block_best(float& v, int& i, float* vals, int* idxs) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) { vals[warp] = v; idxs[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = blockDim.x >> 5;
+        v = lane < warps ? vals[lane] : -INFINITY;
+        i = lane < warps ? idxs[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    }
+}
+
+// Shared memory of the radix selects.
+struct RadixShared {
+    unsigned long long hist[256];
+    unsigned long long above;
+    unsigned long long total;
+    uint32_t prefix;
+    int bin;
+};
+
+// By warp 0: the bin, from 255 down, at which the running sum of hist from `above` first reaches
+// `target` (else the lowest non-empty bin), into sh.bin, and the sum above it into sh.above.
+// Each lane takes 8 bins, the lanes' sums scanned with shuffles.
+__device__ void find_bin(RadixShared& sh, unsigned long long target) {
+    const int lane = threadIdx.x & 31;
+    unsigned long long v[8], total = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        v[j] = sh.hist[255 - 8 * lane - j];
+        total += v[j];
+    }
+    unsigned long long running = total;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long t = __shfl_up_sync(0xffffffffu, running, o);
+        if (lane >= o) running += t;
+    }
+    const unsigned long long before = sh.above + running - total;
+    const unsigned reached = __ballot_sync(0xffffffffu, before + total >= target && total > 0);
+    // Not reached (rounding of the mass): the lowest non-empty bin, as a full sum would end there.
+    const unsigned nonempty = __ballot_sync(0xffffffffu, total > 0);
+    const int at = reached ? __ffs(reached) - 1 : (nonempty ? 31 - __clz(nonempty) : -1);
+    if (lane == at) {
+        unsigned long long sum = before, above_bin = before;
+        int bin = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (v[j] == 0) continue;
+            bin = 255 - 8 * lane - j;
+            above_bin = sum;
+            if (reached && sum + v[j] >= target) break;
+            sum += v[j];
+        }
+        sh.bin = bin;
+        sh.above = above_bin;
+    }
+    if (at < 0 && lane == 0) sh.bin = 0;
+}
+
+// The largest key K such that the values' keys >= K that pass `kept` hold at least `target` of
+// the measure `amount` (count or fixed-point mass), 8 bits at a time from the top. value(i),
+// i < n, is the i-th value. Called by the whole block (uniformly).
+template <typename Value, typename Amount, typename Kept>
+__device__ uint32_t radix_threshold(Value value, int n, unsigned long long target, Amount amount, Kept kept,
+                                    RadixShared& sh) {
     uint32_t prefix = 0, mask = 0;
-    unsigned long long above = 0;
+    if (threadIdx.x == 0) sh.above = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) sh.hist[b] = 0;
         __syncthreads();
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const float l = logits[i];
+            const float l = value(i);
             const uint32_t k = order_key(l);
-            if ((k & mask) == prefix && kept(l, k)) atomicAdd(&hist[(k >> shift) & 255u], amount(l));
+            if ((k & mask) == prefix && kept(l, k)) atomicAdd(&sh.hist[(k >> shift) & 255u], amount(l));
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            int chosen = -1;
-            for (int b = 255; b >= 0; --b) {
-                if (hist[b] == 0) continue;
-                chosen = b;
-                if (above + hist[b] >= target) break;
-                above += hist[b];
-            }
-            // Rounding can leave the target just out of reach: the lowest non-empty bin then.
-            *shared_prefix = prefix | ((uint32_t)(chosen < 0 ? 0 : chosen) << shift);
-            *shared_above = above;
-        }
+        if (threadIdx.x < 32) find_bin(sh, target);
         __syncthreads();
-        prefix = *shared_prefix;
-        above = *shared_above;
+        prefix |= (uint32_t)sh.bin << shift;
         mask |= 255u << shift;
-        __syncthreads();
     }
     return prefix;
 }
 
-// Draws the next token from the logits with the slot's sampling settings; it becomes the next
-// input token (also written to chosen[row] when `chosen` is non-null) and the position advances.
-// Launch: one block of SAMPLE_THREADS threads per row of logits (blockIdx.y); batched, the row's
-// sequence's settings, token and position come from the tables (see seq_buffer).
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(const float* logits, int n,
-                                                                          const SamplingDesc* desc, int* token,
-                                                                          int* position,
-                                                                          const unsigned long long* desc_of,
-                                                                          const unsigned long long* token_of,
-                                                                          const unsigned long long* position_of,
-                                                                          int* chosen) {
-    TRACE_BLOCK();
-    wait_for_previous_kernel();
-    const int row = blockIdx.y;
-    logits += (size_t)row * n;
-    desc = seq_buffer(desc, desc_of, row);
-    token = seq_buffer(token, token_of, row);
-    position = seq_buffer(position, position_of, row);
-    __shared__ float scratch[32];
-    __shared__ unsigned long long hist[256];
-    __shared__ uint32_t shared_prefix;
-    __shared__ unsigned long long shared_above;
-    __shared__ unsigned long long shared_total;
-    const SamplingDesc d = *desc;
-    const float inv_t = 1.0f / d.temperature;
-    n = min(n, d.allowed);
+// Sum of a per-thread amount over the block (into sh.total); ends synchronised.
+__device__ unsigned long long block_total(unsigned long long v, RadixShared& sh) {
+    if (threadIdx.x == 0) sh.total = 0;
+    __syncthreads();
+    atomicAdd(&sh.total, v);
+    __syncthreads();
+    return sh.total;
+}
 
-    float m = -INFINITY;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);
-    m = block_max(m, scratch);
-    const unsigned long long min_weight =
-        d.min_p > 0.0f ? (unsigned long long)(d.min_p * 4294967296.0f) : 0ull;
+// A block-wide sum with one barrier: the warps' sums go to slots[parity], and each thread's
+// `parity` alternates, so that a sum's stores cannot overwrite slots the previous sum is still
+// reading (a thread stores the next only after every thread has reached this sum's barrier).
+__device__ unsigned long long block_sum_u64(unsigned long long v, unsigned long long (&slots)[2][32], int& parity) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) slots[parity][warp] = v;
+    __syncthreads();
+    v = lane < warps ? slots[parity][lane] : 0ull;
+    parity ^= 1;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The largest key K in [low, high] at which amount(K), a block-wide sum of partial(K) that does
+// not grow with K, still reaches `target` (the caller has checked amount(low) does), found bit by
+// bit below the bits low and high share: one block sum per bit and no atomics, where a histogram
+// of keys this alike would put most of a warp's additions on one bin. Called by the whole block.
+template <typename Partial>
+__device__ uint32_t largest_key_reaching(unsigned long long target, uint32_t low, uint32_t high, Partial partial,
+                                         unsigned long long (&slots)[2][32], int& parity) {
+    if (low >= high) return low;
+    const int top = 31 - __clz(low ^ high);
+    uint32_t key = top == 31 ? 0u : low & ~((2u << top) - 1u);
+    for (int bit = top; bit >= 0; --bit) {
+        const uint32_t t = key | (1u << bit);
+        if (block_sum_u64(partial(t), slots, parity) >= target) key = t;
+    }
+    return max(key, low);
+}
+
+// Thresholds of a draw's filters, among the row's candidates (SAMPLE_PER_THREAD keys per
+// thread, 0 for none, their fixed-point weights relative to the row's largest logit m going to
+// `w`; every token left out has a key of at most `cut`, 0 when none is, and `outside` is their
+// mass): tokens with keys >= .x (and weight >= the min-p cut) are kept. .y: 1 when these are the
+// whole row's thresholds, i.e. each count or mass cut is reached above `cut`, else 0 (the
+// caller then filters the whole row). The filters apply in the host sampler's order: top-k, then
+// top-p over what top-k kept, then min-p (relative to the most likely token, so unaffected by
+// renormalisation).
+__device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD],
+                                      unsigned long long (&w)[SAMPLE_PER_THREAD], const SamplingDesc& d,
+                                      int tokens, float m, float inv_t, unsigned long long outside, uint32_t cut,
+                                      unsigned long long (&slots)[2][32]) {
+    int parity = 0;
+    const uint32_t high = order_key(m), low = cut + 1;
+    uint32_t threshold = 0;
+    const bool top_k = d.top_k > 0 && d.top_k < tokens;
+    if (top_k) {
+        auto count = [&](uint32_t t) {
+            unsigned long long c = 0;
+#pragma unroll
+            for (int j = 0; j < SAMPLE_PER_THREAD; ++j) c += key[j] >= t;
+            return c;
+        };
+        const unsigned long long target = (unsigned long long)d.top_k;
+        if (block_sum_u64(count(low), slots, parity) < target) return make_uint2(0, 0);
+        threshold = largest_key_reaching(target, low, high, count, slots, parity);
+    }
+#pragma unroll
+    for (int j = 0; j < SAMPLE_PER_THREAD; ++j)
+        w[j] = key[j] != 0 && key[j] >= threshold ? fixed_weight(key_value(key[j]), m, inv_t) : 0ull;
+    if (d.top_p < 1.0f) {
+        unsigned long long mass = 0;
+#pragma unroll
+        for (int j = 0; j < SAMPLE_PER_THREAD; ++j) mass += w[j];
+        mass = block_sum_u64(mass, slots, parity);
+        // Under top-k every kept token is a candidate (checked above); else the tokens left out
+        // count towards the total.
+        const unsigned long long total = mass + (top_k ? 0ull : outside);
+        const unsigned long long target = max((unsigned long long)((double)total * (double)d.top_p), 1ull);
+        auto weight_above = [&](uint32_t t) {
+            unsigned long long sum = 0;
+#pragma unroll
+            for (int j = 0; j < SAMPLE_PER_THREAD; ++j) sum += key[j] >= t ? w[j] : 0ull;
+            return sum;
+        };
+        const uint32_t from = max(threshold, low);
+        if (block_sum_u64(weight_above(from), slots, parity) < target) return make_uint2(0, 0);
+        threshold = largest_key_reaching(target, from, high, weight_above, slots, parity);
+    }
+    if (!top_k && d.top_p >= 1.0f && cut != 0) {
+        // min-p alone: its cut must drop the largest token left out.
+        const unsigned long long min_weight = (unsigned long long)(d.min_p * 4294967296.0f);
+        if (fixed_weight(key_value(cut), m, inv_t) >= min_weight) return make_uint2(0, 0);
+    }
+    return make_uint2(threshold, 1);
+}
+
+// The thresholds of the draw's filters over a whole row of n logits by one block (as
+// candidate_thresholds, every token a candidate), by radix selects over the logits in global
+// memory: four passes over them per filter, where a bitwise search would take 32.
+__device__ uint32_t row_thresholds(const float* logits, int n, const SamplingDesc& d, float m, float inv_t,
+                                   RadixShared& sh) {
+    auto value = [&](int i) { return logits[i]; };
     auto finite = [](float l, uint32_t) { return isfinite(l); };
     auto one = [](float) { return 1ull; };
     uint32_t threshold = 0;
-    if (d.top_k > 0 && d.top_k < n)
-        threshold = radix_threshold(logits, n, (unsigned long long)d.top_k, one, finite, hist, &shared_prefix,
-                                    &shared_above);
-    // The filters apply in the host sampler's order: top-k, then top-p over what top-k kept,
-    // then min-p (relative to the most likely token, so unaffected by renormalisation).
+    if (d.top_k > 0 && d.top_k < n) threshold = radix_threshold(value, n, (unsigned long long)d.top_k, one, finite, sh);
     const uint32_t top_k_threshold = threshold;
     auto after_top_k = [&](float l, uint32_t k) { return isfinite(l) && k >= top_k_threshold; };
     if (d.top_p < 1.0f) {
-        if (threadIdx.x == 0) shared_total = 0;
-        __syncthreads();
         unsigned long long total = 0;
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             const float l = logits[i];
             if (after_top_k(l, order_key(l))) total += fixed_weight(l, m, inv_t);
         }
-        atomicAdd(&shared_total, total);
-        __syncthreads();
-        const unsigned long long target = (unsigned long long)((double)shared_total * (double)d.top_p);
-        auto mass = [&](float l) { return fixed_weight(l, m, inv_t); };
-        threshold = radix_threshold(logits, n, target > 0 ? target : 1ull, mass, after_top_k, hist, &shared_prefix,
-                                    &shared_above);
-        threshold = max(threshold, top_k_threshold);
+        total = block_total(total, sh);
+        const unsigned long long target = max((unsigned long long)((double)total * (double)d.top_p), 1ull);
+        auto weight = [&](float l) { return fixed_weight(l, m, inv_t); };
+        threshold = max(radix_threshold(value, n, target, weight, after_top_k, sh), top_k_threshold);
     }
-    auto kept = [&](float l, uint32_t k) {
-        return isfinite(l) && k >= threshold && fixed_weight(l, m, inv_t) >= min_weight;
-    };
+    return threshold;
+}
 
-    float best = -INFINITY;
-    int best_id = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float l = logits[i];
-        if (!kept(l, order_key(l))) continue;
-        better(best, best_id, (l - m) * inv_t + gumbel(d.seed, i), i);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        better(best, best_id, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_id, o));
+// Pass 1 of a draw (see above): block b of row blockIdx.y takes logits b * slice .. + slice - 1.
+// Unfiltered draws leave the slice's own draw; filtered ones its candidates, largest logit,
+// cut and the mass left out. Dynamic shared memory: slice keys (4 bytes each).
+extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(const float* logits, int n, int slice,
+                                                                            const SamplingDesc* desc,
+                                                                            const unsigned long long* desc_of,
+                                                                            SampleParts parts) {
+    TRACE_BLOCK();
+    extern __shared__ __align__(16) uint32_t keys[];
+    __shared__ unsigned long long slots[2][32];
     __shared__ float vals[32];
     __shared__ int idxs[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { vals[warp] = best; idxs[warp] = best_id; }
-    __syncthreads();
-    if (warp == 0) {
-        const int warps = blockDim.x >> 5;
-        best = lane < warps ? vals[lane] : -INFINITY;
-        best_id = lane < warps ? idxs[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-            better(best, best_id, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_id, o));
-        // No finite logit at all: token 0 rather than an id outside the embedding.
-        if (lane == 0) {
-            const int id = best_id < n ? best_id : 0;
-            token[0] = id;
-            position[0] += 1;
-            if (chosen != nullptr) chosen[row] = id;
+    __shared__ int taken;
+    wait_for_previous_kernel();
+    const int row = blockIdx.y, at = row * gridDim.x + blockIdx.x;
+    logits += (size_t)row * n;
+    const SamplingDesc d = *seq_buffer(desc, desc_of, row);
+    n = min(n, d.allowed);
+    const int begin = blockIdx.x * slice, len = max(0, min(n - begin, slice));
+    const float inv_t = 1.0f / d.temperature;
+    if (!draw_is_filtered(d, n)) {
+        float best = -INFINITY;
+        int best_id = 0x7fffffff;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            const float l = logits[begin + j];
+            if (isfinite(l)) better(best, best_id, l * inv_t + gumbel(d.seed, begin + j), begin + j);
         }
+        block_best(best, best_id, vals, idxs);
+        if (threadIdx.x == 0) {
+            parts.draw_val[at] = best;
+            parts.draw_id[at] = best_id;
+        }
+        return;
+    }
+    // Keys, 0 for logits that are never drawn (not finite).
+    float top = -INFINITY;
+    unsigned long long count = 0;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        const float l = logits[begin + j];
+        keys[j] = isfinite(l) ? order_key(l) : 0u;
+        if (isfinite(l)) {
+            top = fmaxf(top, l);
+            ++count;
+        }
+    }
+    top = block_max(top, vals);
+    int parity = 0;
+    count = block_sum_u64(count, slots, parity);
+    // The SAMPLE_CANDIDATES-th largest key; the candidates are the keys above it.
+    auto at_least = [&](uint32_t t) {
+        unsigned long long c = 0;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) c += keys[j] >= t;
+        return c;
+    };
+    const uint32_t cut =
+        count > SAMPLE_CANDIDATES ? largest_key_reaching(SAMPLE_CANDIDATES, 1u, order_key(top), at_least, slots, parity)
+                                  : 0u;
+    if (threadIdx.x == 0) taken = 0;
+    __syncthreads();
+    float rest = 0.0f;
+    float* cand_logit = parts.cand_logit + (size_t)at * SAMPLE_CANDIDATES;
+    int* cand_id = parts.cand_id + (size_t)at * SAMPLE_CANDIDATES;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        const uint32_t k = keys[j];
+        if (k == 0) continue;
+        if (k > cut) {
+            const int slot = atomicAdd(&taken, 1);
+            cand_logit[slot] = key_value(k);
+            cand_id[slot] = begin + j;
+        } else {
+            rest += __expf((key_value(k) - top) * inv_t);
+        }
+    }
+    rest = block_sum(rest, vals);
+    for (int s = taken + threadIdx.x; s < SAMPLE_CANDIDATES; s += blockDim.x) {
+        cand_logit[s] = -INFINITY;
+        cand_id[s] = 0x7fffffff;
+    }
+    if (threadIdx.x == 0) {
+        parts.block_max[at] = top;
+        parts.rest[at] = rest;
+        parts.cut[at] = cut;
+    }
+}
+
+// The filtered draw of a row from sample_scan's `blocks` partials (see above), in warp 0.
+__device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d, int blocks,
+                              const SampleParts& parts, float& best, int& best_id) {
+    __shared__ unsigned long long slots[2][32];
+    __shared__ float scratch[32];
+    __shared__ uint32_t shared_cut;
+    const int first = blockIdx.y * blocks;
+    const float inv_t = 1.0f / d.temperature;
+    float m = -INFINITY;
+    for (int b = threadIdx.x; b < blocks; b += blockDim.x) m = fmaxf(m, parts.block_max[first + b]);
+    m = block_max(m, scratch);
+    if (m == -INFINITY) return;  // no finite logit: token 0
+    float rest = 0.0f;
+    uint32_t cut = 0;
+    for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
+        const float top = parts.block_max[first + b];
+        if (top > -INFINITY) rest += parts.rest[first + b] * __expf((top - m) * inv_t);
+        cut = max(cut, parts.cut[first + b]);
+    }
+    rest = block_sum(rest, scratch);
+    if (threadIdx.x == 0) shared_cut = 0;
+    __syncthreads();
+    atomicMax(&shared_cut, cut);
+    // This thread's candidates: entries threadIdx.x + j * SAMPLE_THREADS.
+    const int count = blocks * SAMPLE_CANDIDATES;
+    const float* cand_logit = parts.cand_logit + (size_t)first * SAMPLE_CANDIDATES;
+    const int* cand_id = parts.cand_id + (size_t)first * SAMPLE_CANDIDATES;
+    uint32_t key[SAMPLE_PER_THREAD];
+    unsigned long long w[SAMPLE_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < SAMPLE_PER_THREAD; ++j) {
+        const int i = threadIdx.x + j * SAMPLE_THREADS;
+        const float l = i < count ? cand_logit[i] : -INFINITY;
+        key[j] = isfinite(l) ? order_key(l) : 0u;
+    }
+    __syncthreads();
+    cut = shared_cut;
+    const unsigned long long outside = (unsigned long long)((double)rest * 4294967296.0);
+    const uint2 found = candidate_thresholds(key, w, d, n, m, inv_t, outside, cut, slots);
+    const unsigned long long min_weight = d.min_p > 0.0f ? (unsigned long long)(d.min_p * 4294967296.0f) : 0ull;
+    if (found.y) {
+#pragma unroll
+        for (int j = 0; j < SAMPLE_PER_THREAD; ++j) {
+            if (key[j] == 0 || key[j] < found.x) continue;
+            const float l = key_value(key[j]);
+            if (fixed_weight(l, m, inv_t) < min_weight) continue;
+            const int id = cand_id[threadIdx.x + j * SAMPLE_THREADS];
+            better(best, best_id, (l - m) * inv_t + gumbel(d.seed, id), id);
+        }
+        return;
+    }
+    // Some kept token may not be a candidate: the whole row, by this block.
+    __shared__ RadixShared sh;
+    const uint32_t threshold = row_thresholds(logits, n, d, m, inv_t, sh);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float l = logits[i];
+        if (isfinite(l) && order_key(l) >= threshold && fixed_weight(l, m, inv_t) >= min_weight)
+            better(best, best_id, (l - m) * inv_t + gumbel(d.seed, i), i);
+    }
+}
+
+// Pass 2 of a draw: the next token from sample_scan's partials of this row (blockIdx.y) with
+// the slot's sampling settings; it becomes the next input token (also written to chosen[row]
+// when `chosen` is non-null) and the position advances. One block of SAMPLE_THREADS threads per
+// row; batched, the row's sequence's settings, token and position come from the tables (see
+// seq_buffer).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_finish(const float* logits, int n, int blocks,
+                                                                          const SamplingDesc* desc, int* token,
+                                                                          int* position,
+                                                                          const unsigned long long* desc_of,
+                                                                          const unsigned long long* token_of,
+                                                                          const unsigned long long* position_of,
+                                                                          int* chosen, SampleParts parts) {
+    TRACE_BLOCK();
+    __shared__ float vals[32];
+    __shared__ int idxs[32];
+    wait_for_previous_kernel();
+    const int row = blockIdx.y;
+    logits += (size_t)row * n;
+    const SamplingDesc d = *seq_buffer(desc, desc_of, row);
+    token = seq_buffer(token, token_of, row);
+    position = seq_buffer(position, position_of, row);
+    n = min(n, d.allowed);
+    float best = -INFINITY;
+    int best_id = 0x7fffffff;
+    if (draw_is_filtered(d, n)) {
+        filtered_draw(logits, n, d, blocks, parts, best, best_id);
+    } else {
+        for (int b = threadIdx.x; b < blocks; b += blockDim.x)
+            better(best, best_id, parts.draw_val[row * blocks + b], parts.draw_id[row * blocks + b]);
+    }
+    block_best(best, best_id, vals, idxs);
+    // No finite logit at all: token 0 rather than an id outside the embedding.
+    if (threadIdx.x == 0) {
+        const int id = best_id < n ? best_id : 0;
+        token[0] = id;
+        position[0] += 1;
+        if (chosen != nullptr) chosen[row] = id;
     }
 }
