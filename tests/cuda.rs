@@ -460,10 +460,11 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 
 /// The device draw's other paths (sample.cu) against the host reference, on the same logits:
 /// temperature alone (each scan block draws from its slice), top-p or min-p alone with a kept
-/// set among the scan blocks' candidates, and, at higher temperatures, kept sets reaching below
-/// some block's candidates (the finishing block filters the whole row). Which path a setting
-/// takes depends on the fixture's logits (1,024 tokens in 4 slices of 256, 63 candidates each:
-/// the most likely ~35 and ~216 tokens, then ~640 and ~460); all must follow the distribution.
+/// set among the scan blocks' candidates, and kept sets reaching below some block's candidates
+/// (the finishing block filters the whole row: top-k beyond the candidates, and broad top-p or
+/// min-p sets at higher temperatures). Which path a setting takes depends on the fixture's
+/// logits (1,024 tokens in 4 slices of 256, 63 candidates each; the settings below keep ~1,024,
+/// ~35, ~216, 300, ~640 and ~460 tokens); all must follow the distribution.
 #[test]
 fn device_draws_follow_the_distribution_on_every_path() {
     let dir = &fixtures()[0];
@@ -482,24 +483,26 @@ fn device_draws_follow_the_distribution_on_every_path() {
         let mut s = gpu.fork(&base).unwrap();
         gpu.decode_sample(&mut [&mut s], last, &[d]).unwrap()[0] as usize
     };
-    // (temperature, top-p, min-p), top-k off.
-    for (temperature, top_p, min_p) in [
-        (1.0, 1.0, 0.0),
-        (2.0, 0.5, 0.0),
-        (2.0, 1.0, 0.01),
-        (3.0, 0.95, 0.0),
-        (4.0, 1.0, 0.05),
+    // (temperature, top-k, top-p, min-p).
+    for (temperature, top_k, top_p, min_p) in [
+        (1.0, 0, 1.0, 0.0),
+        (2.0, 0, 0.5, 0.0),
+        (2.0, 0, 1.0, 0.01),
+        (2.0, 300, 1.0, 0.0),
+        (3.0, 0, 0.95, 0.0),
+        (4.0, 0, 1.0, 0.05),
     ] {
         let draw = |seed: u64| DeviceDraw {
             temperature,
-            top_k: 0,
+            top_k,
             top_p,
             min_p,
             allowed: vocab,
             seed,
         };
-        let expected = filtered_probabilities(&logits, temperature, 0, top_p, min_p);
-        let setting = format!("temperature {temperature}, top-p {top_p}, min-p {min_p}");
+        let expected = filtered_probabilities(&logits, temperature, top_k, top_p, min_p);
+        let setting =
+            format!("temperature {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p}");
         let draws = 6000;
         let mut counts = vec![0usize; vocab];
         for seed in 0..draws {

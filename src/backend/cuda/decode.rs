@@ -252,6 +252,7 @@ impl CudaBackend {
                             arg(&logits),
                             arg(&n),
                             arg(&blocks_arg),
+                            arg(&slice_arg),
                             arg(&desc),
                             arg(&token),
                             arg(&position),

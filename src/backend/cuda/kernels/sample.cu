@@ -80,15 +80,18 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
 //
 // Two launches, like the greedy argmax, since one block over a whole vocabulary of 248K logits
 // takes milliseconds (every pass over them from one SM, the noise's hashes and logarithms for
-// every token). sample_scan splits the row over up to SAMPLE_MAX_BLOCKS blocks:
-//   - unfiltered draws (temperature alone, the OpenAI default): each block draws from its slice
-//     and sample_finish keeps the best of the blocks' draws;
-//   - filtered draws: each block keeps its slice's largest logits as candidates (those above the
-//     key `cut` of its SAMPLE_CANDIDATES-th largest) with the mass of the rest, and sample_finish
-//     finds the thresholds among the blocks' candidates. That is exact whenever every kept token
-//     is a candidate, i.e. each threshold lies above every block's cut (top-k up to ~60, top-p
-//     or min-p sets of the most likely few thousand tokens); otherwise sample_finish filters
-//     the whole row itself, as one block.
+// every token). sample_scan splits the row over up to SAMPLE_MAX_BLOCKS blocks, each drawing
+// from its slice (the largest l / T + noise):
+//   - unfiltered draws (temperature alone, the OpenAI default): sample_finish keeps the best of
+//     the slices' draws;
+//   - filtered draws: each block also keeps its slice's largest logits as candidates (those above
+//     the key `cut` of its SAMPLE_CANDIDATES-th largest) with the mass of the rest, and
+//     sample_finish finds the thresholds among the blocks' candidates and draws among the kept
+//     ones. That is exact whenever every kept token is a candidate, i.e. each threshold lies
+//     above every block's cut (top-k up to ~60, top-p or min-p sets of up to a few thousand
+//     tokens spread over the slices); otherwise sample_finish finds the thresholds over the
+//     whole row itself (radix selects, a few passes over it by one block: ~1.2 ms on an H100)
+//     and takes each slice's own draw where it is kept.
 
 #define SAMPLE_THREADS 1024      // threads of sample_finish
 #define SAMPLE_SCAN_THREADS 256  // threads of a sample_scan block
@@ -217,22 +220,56 @@ __device__ void find_bin(RadixShared& sh, unsigned long long target) {
     if (at < 0 && lane == 0) sh.bin = 0;
 }
 
-// The largest key K such that the values' keys >= K that pass `kept` hold at least `target` of
-// the measure `amount` (count or fixed-point mass), 8 bits at a time from the top. value(i),
-// i < n, is the i-th value. Called by the whole block (uniformly).
-template <typename Value, typename Amount, typename Kept>
-__device__ uint32_t radix_threshold(Value value, int n, unsigned long long target, Amount amount, Kept kept,
+// Adds each lane's `amount` (at most 2^32) to hist[bin] where `in`, with one shared-memory atomic
+// per distinct bin of the warp: in a radix pass most keys share their bin, and a warp's 32
+// additions to one address are serialised (milliseconds over a 248K-token row). By whole warps.
+__device__ __forceinline__ void warp_hist_add(unsigned long long* hist, bool in, uint32_t bin,
+                                              unsigned long long amount) {
+    const unsigned voters = __ballot_sync(0xffffffffu, in);
+    if (!in) return;
+    const unsigned peers = __match_any_sync(voters, bin);
+    // The group's sum in three 32-bit reductions that cannot overflow: 16 + 16 + 1 bits.
+    const uint32_t low = (uint32_t)amount, high = (uint32_t)(amount >> 32);
+    const unsigned long long sum = (unsigned long long)__reduce_add_sync(peers, low & 0xffffu) +
+                                   ((unsigned long long)__reduce_add_sync(peers, low >> 16) << 16) +
+                                   ((unsigned long long)__reduce_add_sync(peers, high) << 32);
+    if ((int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], sum);
+}
+
+// Calls f(i, logits[i]) for this thread's entries i of a row of n logits (-inf past n), eight
+// loads in flight per thread: one block reads the whole row, and a load at a time leaves it
+// waiting on L2. The trip count is the block's, so f may take whole warps.
+#define ROW_LOADS 8
+template <typename F>
+__device__ __forceinline__ void for_row(const float* logits, int n, F f) {
+    for (int base = 0; base < n; base += ROW_LOADS * blockDim.x) {
+        float l[ROW_LOADS];
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j) {
+            const int i = base + j * blockDim.x + threadIdx.x;
+            l[j] = i < n ? logits[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int j = 0; j < ROW_LOADS; ++j) f(base + j * blockDim.x + threadIdx.x, l[j]);
+    }
+}
+
+// The largest key K such that the row's keys >= K that pass `kept` hold at least `target` of
+// the measure `amount` (count or fixed-point mass), 8 bits at a time from the top. Called by
+// the whole block (uniformly).
+template <typename Amount, typename Kept>
+__device__ uint32_t radix_threshold(const float* logits, int n, unsigned long long target, Amount amount, Kept kept,
                                     RadixShared& sh) {
     uint32_t prefix = 0, mask = 0;
     if (threadIdx.x == 0) sh.above = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) sh.hist[b] = 0;
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const float l = value(i);
+        for_row(logits, n, [&](int, float l) {
             const uint32_t k = order_key(l);
-            if ((k & mask) == prefix && kept(l, k)) atomicAdd(&sh.hist[(k >> shift) & 255u], amount(l));
-        }
+            const bool in = isfinite(l) && (k & mask) == prefix && kept(l, k);
+            warp_hist_add(sh.hist, in, (k >> shift) & 255u, in ? amount(l) : 0ull);
+        });
         __syncthreads();
         if (threadIdx.x < 32) find_bin(sh, target);
         __syncthreads();
@@ -346,30 +383,29 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD],
 // memory: four passes over them per filter, where a bitwise search would take 32.
 __device__ uint32_t row_thresholds(const float* logits, int n, const SamplingDesc& d, float m, float inv_t,
                                    RadixShared& sh) {
-    auto value = [&](int i) { return logits[i]; };
     auto finite = [](float l, uint32_t) { return isfinite(l); };
     auto one = [](float) { return 1ull; };
     uint32_t threshold = 0;
-    if (d.top_k > 0 && d.top_k < n) threshold = radix_threshold(value, n, (unsigned long long)d.top_k, one, finite, sh);
+    if (d.top_k > 0 && d.top_k < n) threshold = radix_threshold(logits, n, (unsigned long long)d.top_k, one, finite, sh);
     const uint32_t top_k_threshold = threshold;
     auto after_top_k = [&](float l, uint32_t k) { return isfinite(l) && k >= top_k_threshold; };
     if (d.top_p < 1.0f) {
         unsigned long long total = 0;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const float l = logits[i];
+        for_row(logits, n, [&](int, float l) {
             if (after_top_k(l, order_key(l))) total += fixed_weight(l, m, inv_t);
-        }
+        });
         total = block_total(total, sh);
         const unsigned long long target = max((unsigned long long)((double)total * (double)d.top_p), 1ull);
         auto weight = [&](float l) { return fixed_weight(l, m, inv_t); };
-        threshold = max(radix_threshold(value, n, target, weight, after_top_k, sh), top_k_threshold);
+        threshold = max(radix_threshold(logits, n, target, weight, after_top_k, sh), top_k_threshold);
     }
     return threshold;
 }
 
-// Pass 1 of a draw (see above): block b of row blockIdx.y takes logits b * slice .. + slice - 1.
-// Unfiltered draws leave the slice's own draw; filtered ones its candidates, largest logit,
-// cut and the mass left out. Dynamic shared memory: slice keys (4 bytes each).
+// Pass 1 of a draw (see above): block b of row blockIdx.y takes logits b * slice .. + slice - 1
+// and leaves the slice's own draw (its largest l / T + noise); filtered draws also its
+// candidates, largest logit, cut and the mass left out. Dynamic shared memory: slice keys (4
+// bytes each).
 extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(const float* logits, int n, int slice,
                                                                             const SamplingDesc* desc,
                                                                             const unsigned long long* desc_of,
@@ -387,31 +423,26 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
     n = min(n, d.allowed);
     const int begin = blockIdx.x * slice, len = max(0, min(n - begin, slice));
     const float inv_t = 1.0f / d.temperature;
-    if (!draw_is_filtered(d, n)) {
-        float best = -INFINITY;
-        int best_id = 0x7fffffff;
-        for (int j = threadIdx.x; j < len; j += blockDim.x) {
-            const float l = logits[begin + j];
-            if (isfinite(l)) better(best, best_id, l * inv_t + gumbel(d.seed, begin + j), begin + j);
-        }
-        block_best(best, best_id, vals, idxs);
-        if (threadIdx.x == 0) {
-            parts.draw_val[at] = best;
-            parts.draw_id[at] = best_id;
-        }
-        return;
-    }
-    // Keys, 0 for logits that are never drawn (not finite).
-    float top = -INFINITY;
+    const bool filtered = draw_is_filtered(d, n);
+    // Keys (filtered draws), 0 for logits that are never drawn (not finite).
+    float top = -INFINITY, best = -INFINITY;
+    int best_id = 0x7fffffff;
     unsigned long long count = 0;
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
         const float l = logits[begin + j];
-        keys[j] = isfinite(l) ? order_key(l) : 0u;
+        if (filtered) keys[j] = isfinite(l) ? order_key(l) : 0u;
         if (isfinite(l)) {
+            better(best, best_id, l * inv_t + gumbel(d.seed, begin + j), begin + j);
             top = fmaxf(top, l);
             ++count;
         }
     }
+    block_best(best, best_id, vals, idxs);
+    if (threadIdx.x == 0) {
+        parts.draw_val[at] = best;
+        parts.draw_id[at] = best_id;
+    }
+    if (!filtered) return;
     top = block_max(top, vals);
     int parity = 0;
     count = block_sum_u64(count, slots, parity);
@@ -452,8 +483,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
     }
 }
 
-// The filtered draw of a row from sample_scan's `blocks` partials (see above), in warp 0.
-__device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d, int blocks,
+// The filtered draw of a row from sample_scan's `blocks` partials of `slice` logits each (see
+// above), in warp 0. Every path draws the largest l / T + noise of its kept tokens.
+__device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d, int blocks, int slice,
                               const SampleParts& parts, float& best, int& best_id) {
     __shared__ unsigned long long slots[2][32];
     __shared__ float scratch[32];
@@ -499,27 +531,40 @@ __device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d,
             const float l = key_value(key[j]);
             if (fixed_weight(l, m, inv_t) < min_weight) continue;
             const int id = cand_id[threadIdx.x + j * SAMPLE_THREADS];
-            better(best, best_id, (l - m) * inv_t + gumbel(d.seed, id), id);
+            better(best, best_id, l * inv_t + gumbel(d.seed, id), id);
         }
         return;
     }
-    // Some kept token may not be a candidate: the whole row, by this block.
+    // Some kept token may not be a candidate: the thresholds over the whole row, by this block.
+    // A kept set this broad mostly holds each slice's own draw, which is then the slice's draw
+    // among its kept tokens too (the best of a set is the best of any subset holding it); a
+    // warp draws again from the slices whose own draw is not kept.
     __shared__ RadixShared sh;
     const uint32_t threshold = row_thresholds(logits, n, d, m, inv_t, sh);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float l = logits[i];
-        if (isfinite(l) && order_key(l) >= threshold && fixed_weight(l, m, inv_t) >= min_weight)
-            better(best, best_id, (l - m) * inv_t + gumbel(d.seed, i), i);
+    auto kept = [&](float l) {
+        return isfinite(l) && order_key(l) >= threshold && fixed_weight(l, m, inv_t) >= min_weight;
+    };
+    const int lane = threadIdx.x & 31;
+    for (int b = threadIdx.x >> 5; b < blocks; b += blockDim.x >> 5) {
+        const int own = parts.draw_id[first + b];
+        if (own < n && kept(logits[own])) {
+            if (lane == 0) better(best, best_id, parts.draw_val[first + b], own);
+            continue;
+        }
+        for (int i = b * slice + lane; i < min(n, (b + 1) * slice); i += 32) {
+            const float l = logits[i];
+            if (kept(l)) better(best, best_id, l * inv_t + gumbel(d.seed, i), i);
+        }
     }
 }
 
-// Pass 2 of a draw: the next token from sample_scan's partials of this row (blockIdx.y) with
-// the slot's sampling settings; it becomes the next input token (also written to chosen[row]
-// when `chosen` is non-null) and the position advances. One block of SAMPLE_THREADS threads per
-// row; batched, the row's sequence's settings, token and position come from the tables (see
-// seq_buffer).
+// Pass 2 of a draw: the next token from sample_scan's `blocks` partials (of `slice` logits each)
+// of row blockIdx.y, with the slot's sampling settings; it becomes the next input token (also
+// written to chosen[row] when `chosen` is non-null) and the position advances. One block of
+// SAMPLE_THREADS threads per row; batched, the row's sequence's settings, token and position
+// come from the tables (see seq_buffer).
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_finish(const float* logits, int n, int blocks,
-                                                                          const SamplingDesc* desc, int* token,
+                                                                          int slice, const SamplingDesc* desc, int* token,
                                                                           int* position,
                                                                           const unsigned long long* desc_of,
                                                                           const unsigned long long* token_of,
@@ -538,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_finish(const
     float best = -INFINITY;
     int best_id = 0x7fffffff;
     if (draw_is_filtered(d, n)) {
-        filtered_draw(logits, n, d, blocks, parts, best, best_id);
+        filtered_draw(logits, n, d, blocks, slice, parts, best, best_id);
     } else {
         for (int b = threadIdx.x; b < blocks; b += blockDim.x)
             better(best, best_id, parts.draw_val[row * blocks + b], parts.draw_id[row * blocks + b]);
