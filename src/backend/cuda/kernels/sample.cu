@@ -75,8 +75,8 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
 // only the chosen id crosses to the host. The draw is the Gumbel-max trick (the argmax of
 // logit / T + Gumbel noise is a draw from the softmax) and the noise is a hash of (seed, token
 // id), so the same seed gives the same token. The filters keep the tokens whose logit's order
-// key reaches a threshold found by radix selects (8 bits at a time), with probability mass
-// summed in fixed point so that no cut depends on the order of atomic additions.
+// key reaches a threshold (found by searches over the keys' bits, see below), with probability
+// mass summed in fixed point so that no cut depends on the order of additions.
 //
 // Two launches, like the greedy argmax, since one block over a whole vocabulary of 248K logits
 // takes milliseconds (every pass over them from one SM, the noise's hashes and logarithms for
@@ -115,7 +115,7 @@ struct SampleParts {
     float* block_max;   // the slice's largest finite logit (-inf: none)
     float* rest;        // sum of exp((l - block_max) / T) over its finite logits left out
     uint32_t* cut;      // every key left out is at most this (0: none left out)
-    float* draw_val;    // unfiltered: the slice's largest l / T + noise
+    float* draw_val;    // the slice's own draw: its largest l / T + noise, and that token
     int* draw_id;
     float* cand_logit;  // the candidates' logits, -inf past the last
     int* cand_id;
@@ -177,7 +177,6 @@ struct RadixShared {
     unsigned long long hist[256];
     unsigned long long above;
     unsigned long long total;
-    uint32_t prefix;
     int bin;
 };
 
