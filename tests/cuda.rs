@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use lily::backend::cpu::CpuBackend;
-use lily::backend::cuda::{CudaBackend, CudaOptions, DEFAULT_PREFILL_CHUNK};
+use lily::backend::cuda::{CudaBackend, CudaOptions, CudaState, DEFAULT_PREFILL_CHUNK};
 use lily::backend::{Backend, DeviceDraw, LogitsFor, RunChoice, argmax};
 use lily::checkpoint::DType;
 use lily::config::ModelConfig;
@@ -398,21 +398,50 @@ fn binned_distance(counts: &[usize], expected: &[f64]) -> f64 {
     distance / 2.0
 }
 
+/// The first fixture's first prompt prefilled up to its last token on the GPU, for the draws of
+/// that token's decode step: `logits` are the step's, `sample` decodes it in a fork with a draw.
+struct DrawProbe {
+    gpu: CudaBackend,
+    base: CudaState,
+    last: u32,
+    logits: Vec<f32>,
+}
+
+impl DrawProbe {
+    fn new(model: &Model) -> Self {
+        let gpu = cuda(model, 3);
+        let prompt = &prompts(&fixtures()[0])[0];
+        let (&last, head) = prompt.split_last().unwrap();
+        let mut base = gpu.new_state().unwrap();
+        gpu.prefill(&mut base, head, LogitsFor::Last).unwrap();
+        let logits = {
+            let mut probe = gpu.fork(&base).unwrap();
+            gpu.decode(&mut [&mut probe], &[last]).unwrap()
+        };
+        Self {
+            gpu,
+            base,
+            last,
+            logits,
+        }
+    }
+
+    /// The id the step draws with `d`.
+    fn sample(&self, d: DeviceDraw) -> usize {
+        let mut s = self.gpu.fork(&self.base).unwrap();
+        self.gpu
+            .decode_sample(&mut [&mut s], &[self.last], &[d])
+            .unwrap()[0] as usize
+    }
+}
+
 #[test]
 fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
-    let dir = &fixtures()[0];
-    let model = Model::load(dir).unwrap();
+    let model = Model::load(&fixtures()[0]).unwrap();
     let vocab = model.config.vocab_size;
-    let gpu = cuda(&model, 3);
-    assert!(gpu.samples_on_device());
-    let prompt = &prompts(dir)[0];
-    let (head, last) = prompt.split_at(prompt.len() - 1);
-    let mut base = gpu.new_state().unwrap();
-    gpu.prefill(&mut base, head, LogitsFor::Last).unwrap();
-    let logits = {
-        let mut probe = gpu.fork(&base).unwrap();
-        gpu.decode(&mut [&mut probe], last).unwrap()
-    };
+    let probe = DrawProbe::new(&model);
+    assert!(probe.gpu.samples_on_device());
+    let logits = &probe.logits;
     let draw = |seed: u64, top_k: usize| DeviceDraw {
         temperature: 0.8,
         top_k,
@@ -421,12 +450,9 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
         allowed: vocab,
         seed,
     };
-    let sample = |d: DeviceDraw| {
-        let mut s = gpu.fork(&base).unwrap();
-        gpu.decode_sample(&mut [&mut s], last, &[d]).unwrap()[0] as usize
-    };
+    let sample = |d: DeviceDraw| probe.sample(d);
 
-    let expected = filtered_probabilities(&logits, 0.8, 50, 0.9, 0.0);
+    let expected = filtered_probabilities(logits, 0.8, 50, 0.9, 0.0);
     let draws = 8000;
     let mut counts = vec![0usize; vocab];
     for seed in 0..draws {
@@ -453,7 +479,7 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
     );
     assert_eq!(
         sample(draw(3, 1)),
-        argmax(&logits) as usize,
+        argmax(logits) as usize,
         "top-1 is the argmax"
     );
 }
@@ -467,22 +493,10 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 /// ~35, ~216, 300, ~640 and ~460 tokens); all must follow the distribution.
 #[test]
 fn device_draws_follow_the_distribution_on_every_path() {
-    let dir = &fixtures()[0];
-    let model = Model::load(dir).unwrap();
+    let model = Model::load(&fixtures()[0]).unwrap();
     let vocab = model.config.vocab_size;
-    let gpu = cuda(&model, 3);
-    let prompt = &prompts(dir)[0];
-    let (head, last) = prompt.split_at(prompt.len() - 1);
-    let mut base = gpu.new_state().unwrap();
-    gpu.prefill(&mut base, head, LogitsFor::Last).unwrap();
-    let logits = {
-        let mut probe = gpu.fork(&base).unwrap();
-        gpu.decode(&mut [&mut probe], last).unwrap()
-    };
-    let sample = |d: DeviceDraw| {
-        let mut s = gpu.fork(&base).unwrap();
-        gpu.decode_sample(&mut [&mut s], last, &[d]).unwrap()[0] as usize
-    };
+    let probe = DrawProbe::new(&model);
+    let sample = |d: DeviceDraw| probe.sample(d);
     // (temperature, top-k, top-p, min-p).
     for (temperature, top_k, top_p, min_p) in [
         (1.0, 0, 1.0, 0.0),
@@ -500,7 +514,7 @@ fn device_draws_follow_the_distribution_on_every_path() {
             allowed: vocab,
             seed,
         };
-        let expected = filtered_probabilities(&logits, temperature, top_k, top_p, min_p);
+        let expected = filtered_probabilities(&probe.logits, temperature, top_k, top_p, min_p);
         let setting =
             format!("temperature {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p}");
         let draws = 6000;

@@ -1119,8 +1119,8 @@ impl Backend for CudaBackend {
         true
     }
 
-    /// Sampled decode with the draw on the device (`sample_scan`, `sample_finish` in sample.cu): only the chosen
-    /// ids come back.
+    /// Sampled decode with the draw on the device (`sample_scan`, `sample_finish` in
+    /// sample.cu): only the chosen ids come back.
     fn decode_sample(
         &self,
         states: &mut [&mut CudaState],

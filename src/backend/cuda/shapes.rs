@@ -50,10 +50,10 @@ pub(super) const SAMPLE_SCAN_THREADS: u32 = 256;
 /// Candidates a `sample_scan` block keeps for a filtered draw (SAMPLE_CANDIDATES).
 pub(super) const SAMPLE_CANDIDATES: usize = 64;
 /// Most `sample_scan` blocks per row (SAMPLE_MAX_BLOCKS): `sample_finish` holds all their
-/// candidates in shared memory.
+/// candidates in registers, SAMPLE_MAX_BLOCKS * SAMPLE_CANDIDATES / SAMPLE_THREADS per thread.
 pub(super) const SAMPLE_MAX_BLOCKS: usize = 128;
-/// Largest slice of a `sample_scan` block: its logits are held in dynamic shared memory, which
-/// stays under the 48 KB a launch may take without opting in (beside its static arrays).
+/// Largest slice of a `sample_scan` block: its logits' keys are held in dynamic shared memory,
+/// which stays under the 48 KB a launch may take without opting in (beside its static arrays).
 pub(super) const SAMPLE_MAX_SLICE: usize = 10 * 1024;
 
 /// The logits each `sample_scan` block takes of a vocabulary of `vocab`, and the blocks per

@@ -7,6 +7,23 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
     if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
 }
 
+// The best (value, id) of the block, in warp 0 (ties to the lower id); vals/idxs: 32 entries
+// of shared memory the block has not used yet (or left behind a barrier).
+__device__ __forceinline__ void block_best(float& v, int& i, float* vals, int* idxs) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { vals[warp] = v; idxs[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = blockDim.x >> 5;
+        v = lane < warps ? vals[lane] : -INFINITY;
+        i = lane < warps ? idxs[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    }
+}
+
 // Row blockIdx.y of the logits (a batched step's sequence), partials gridDim.x per row.
 extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* logits, int n, float* part_val, int* part_idx) {
     TRACE_BLOCK();
@@ -19,19 +36,8 @@ extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* lo
     float v = -INFINITY;
     int idx = 0x7fffffff;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) better(v, idx, logits[i], i);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) better(v, idx, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, idx, o));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { vals[warp] = v; idxs[warp] = idx; }
-    __syncthreads();
-    if (warp == 0) {
-        const int warps = blockDim.x >> 5;
-        v = lane < warps ? vals[lane] : -INFINITY;
-        idx = lane < warps ? idxs[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) better(v, idx, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, idx, o));
-        if (lane == 0) { part_val[blockIdx.x] = v; part_idx[blockIdx.x] = idx; }
-    }
+    block_best(v, idx, vals, idxs);
+    if (threadIdx.x == 0) { part_val[blockIdx.x] = v; part_idx[blockIdx.x] = idx; }
 }
 
 // One warp per row (blockIdx.y): the overall argmax becomes the next input token, also written
@@ -151,25 +157,25 @@ __device__ __forceinline__ unsigned long long fixed_weight(float l, float max_lo
     return (unsigned long long)(__expf((l - max_logit) * inv_t) * 4294967296.0f);
 }
 
-__device__ __forceinline__ bool draw_is_filtered(const SamplingDesc& d, int n) {
-    return (d.top_k > 0 && d.top_k < n) || d.top_p < 1.0f || d.min_p > 0.0f;
+// The top-p cut: the fixed-point mass the kept tokens must reach out of `total`.
+__device__ __forceinline__ unsigned long long top_p_target(unsigned long long total, float top_p) {
+    return max((unsigned long long)((double)total * (double)top_p), 1ull);
 }
 
-// The best (value, id) of the block, in warp 0 (ties to the lower id); vals/idxs: 32 entries.
-__device__ __forceinline__ void block_best(float& v, int& i, float* vals, int* idxs) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) { vals[warp] = v; idxs[warp] = i; }
-    __syncthreads();
-    if (warp == 0) {
-        const int warps = blockDim.x >> 5;
-        v = lane < warps ? vals[lane] : -INFINITY;
-        i = lane < warps ? idxs[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
-    }
+// The min-p cut: the fixed-point weight a kept token must reach (0: min-p off).
+__device__ __forceinline__ unsigned long long min_p_weight(const SamplingDesc& d) {
+    return d.min_p > 0.0f ? (unsigned long long)(d.min_p * 4294967296.0f) : 0ull;
+}
+
+// Whether a logit passes the filters: a finite one whose key reaches the top-k/top-p threshold
+// and whose weight reaches the min-p cut.
+__device__ __forceinline__ bool kept_by(float l, uint32_t threshold, unsigned long long min_weight, float m,
+                                        float inv_t) {
+    return isfinite(l) && order_key(l) >= threshold && fixed_weight(l, m, inv_t) >= min_weight;
+}
+
+__device__ __forceinline__ bool draw_is_filtered(const SamplingDesc& d, int n) {
+    return (d.top_k > 0 && d.top_k < n) || d.top_p < 1.0f || d.min_p > 0.0f;
 }
 
 // Shared memory of the radix selects.
@@ -321,16 +327,13 @@ __device__ uint32_t largest_key_reaching(unsigned long long target, uint32_t low
 }
 
 // Thresholds of a draw's filters, among the row's candidates (SAMPLE_PER_THREAD keys per
-// thread, 0 for none, their fixed-point weights relative to the row's largest logit m going to
-// `w`; every token left out has a key of at most `cut`, 0 when none is, and `outside` is their
-// mass): tokens with keys >= .x (and weight >= the min-p cut) are kept. .y: 1 when these are the
+// thread, 0 for none; every token left out has a key of at most `cut`, 0 when none is, and
+// `outside` is their fixed-point mass relative to the row's largest logit m): tokens with keys >= .x (and weight >= the min-p cut) are kept. .y: 1 when these are the
 // whole row's thresholds, i.e. each count or mass cut is reached above `cut`, else 0 (the
 // caller then filters the whole row). The filters apply in the host sampler's order: top-k, then
 // top-p over what top-k kept, then min-p (relative to the most likely token, so unaffected by
 // renormalisation).
-__device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD],
-                                      unsigned long long (&w)[SAMPLE_PER_THREAD], const SamplingDesc& d,
-                                      int tokens, float m, float inv_t, unsigned long long outside, uint32_t cut,
+__device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD], const SamplingDesc& d, int tokens, float m, float inv_t, unsigned long long outside, uint32_t cut,
                                       unsigned long long (&slots)[2][32]) {
     int parity = 0;
     const uint32_t high = order_key(m), low = cut + 1;
@@ -347,6 +350,7 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD],
         if (block_sum_u64(count(low), slots, parity) < target) return make_uint2(0, 0);
         threshold = largest_key_reaching(target, low, high, count, slots, parity);
     }
+    unsigned long long w[SAMPLE_PER_THREAD];
 #pragma unroll
     for (int j = 0; j < SAMPLE_PER_THREAD; ++j)
         w[j] = key[j] != 0 && key[j] >= threshold ? fixed_weight(key_value(key[j]), m, inv_t) : 0ull;
@@ -358,7 +362,7 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD],
         // Under top-k every kept token is a candidate (checked above); else the tokens left out
         // count towards the total.
         const unsigned long long total = mass + (top_k ? 0ull : outside);
-        const unsigned long long target = max((unsigned long long)((double)total * (double)d.top_p), 1ull);
+        const unsigned long long target = top_p_target(total, d.top_p);
         auto weight_above = [&](uint32_t t) {
             unsigned long long sum = 0;
 #pragma unroll
@@ -371,8 +375,7 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD],
     }
     if (!top_k && d.top_p >= 1.0f && cut != 0) {
         // min-p alone: its cut must drop the largest token left out.
-        const unsigned long long min_weight = (unsigned long long)(d.min_p * 4294967296.0f);
-        if (fixed_weight(key_value(cut), m, inv_t) >= min_weight) return make_uint2(0, 0);
+        if (fixed_weight(key_value(cut), m, inv_t) >= min_p_weight(d)) return make_uint2(0, 0);
     }
     return make_uint2(threshold, 1);
 }
@@ -394,7 +397,7 @@ __device__ uint32_t row_thresholds(const float* logits, int n, const SamplingDes
             if (after_top_k(l, order_key(l))) total += fixed_weight(l, m, inv_t);
         });
         total = block_total(total, sh);
-        const unsigned long long target = max((unsigned long long)((double)total * (double)d.top_p), 1ull);
+        const unsigned long long target = top_p_target(total, d.top_p);
         auto weight = [&](float l) { return fixed_weight(l, m, inv_t); };
         threshold = max(radix_threshold(logits, n, target, weight, after_top_k, sh), top_k_threshold);
     }
@@ -511,7 +514,6 @@ __device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d,
     const float* cand_logit = parts.cand_logit + (size_t)first * SAMPLE_CANDIDATES;
     const int* cand_id = parts.cand_id + (size_t)first * SAMPLE_CANDIDATES;
     uint32_t key[SAMPLE_PER_THREAD];
-    unsigned long long w[SAMPLE_PER_THREAD];
 #pragma unroll
     for (int j = 0; j < SAMPLE_PER_THREAD; ++j) {
         const int i = threadIdx.x + j * SAMPLE_THREADS;
@@ -521,14 +523,13 @@ __device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d,
     __syncthreads();
     cut = shared_cut;
     const unsigned long long outside = (unsigned long long)((double)rest * 4294967296.0);
-    const uint2 found = candidate_thresholds(key, w, d, n, m, inv_t, outside, cut, slots);
-    const unsigned long long min_weight = d.min_p > 0.0f ? (unsigned long long)(d.min_p * 4294967296.0f) : 0ull;
+    const uint2 found = candidate_thresholds(key, d, n, m, inv_t, outside, cut, slots);
+    const unsigned long long min_weight = min_p_weight(d);
     if (found.y) {
 #pragma unroll
         for (int j = 0; j < SAMPLE_PER_THREAD; ++j) {
-            if (key[j] == 0 || key[j] < found.x) continue;
-            const float l = key_value(key[j]);
-            if (fixed_weight(l, m, inv_t) < min_weight) continue;
+            const float l = key[j] != 0 ? key_value(key[j]) : -INFINITY;
+            if (!kept_by(l, found.x, min_weight, m, inv_t)) continue;
             const int id = cand_id[threadIdx.x + j * SAMPLE_THREADS];
             better(best, best_id, l * inv_t + gumbel(d.seed, id), id);
         }
@@ -540,9 +541,7 @@ __device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d,
     // warp draws again from the slices whose own draw is not kept.
     __shared__ RadixShared sh;
     const uint32_t threshold = row_thresholds(logits, n, d, m, inv_t, sh);
-    auto kept = [&](float l) {
-        return isfinite(l) && order_key(l) >= threshold && fixed_weight(l, m, inv_t) >= min_weight;
-    };
+    auto kept = [&](float l) { return kept_by(l, threshold, min_weight, m, inv_t); };
     const int lane = threadIdx.x & 31;
     for (int b = threadIdx.x >> 5; b < blocks; b += blockDim.x >> 5) {
         const int own = parts.draw_id[first + b];
