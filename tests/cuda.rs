@@ -489,7 +489,7 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 /// set among the scan blocks' candidates, and kept sets reaching below some block's candidates
 /// (the finishing block filters the whole row: top-k beyond the candidates, and broad top-p or
 /// min-p sets at higher temperatures). Which path a setting takes depends on the fixture's
-/// logits (1,024 tokens in 4 slices of 256, 63 candidates each; the settings below keep ~1,024,
+/// logits (1,024 tokens dealt to 4 scan blocks in runs of 8, at most 63 candidates each; the settings below keep ~1,024,
 /// ~35, ~216, 300, ~640 and ~460 tokens); all must follow the distribution.
 #[test]
 fn device_draws_follow_the_distribution_on_every_path() {

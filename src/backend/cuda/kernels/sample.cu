@@ -91,7 +91,7 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
 //   - unfiltered draws (temperature alone, the OpenAI default): sample_finish keeps the best of
 //     the slices' draws;
 //   - filtered draws: each block also keeps its slice's largest logits as candidates (those above
-//     the key `cut` of its SAMPLE_CANDIDATES-th largest) with the mass of the rest, and
+//     a key `cut` just above the SAMPLE_CANDIDATES-th largest's) with the mass of the rest, and
 //     sample_finish finds the thresholds among the blocks' candidates and draws among the kept
 //     ones. That is exact whenever every kept token is a candidate, i.e. each threshold lies
 //     above every block's cut (top-k up to ~60, top-p or min-p sets of up to a few thousand
@@ -104,6 +104,7 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
 #define SAMPLE_CANDIDATES 64     // candidates a sample_scan block keeps (at most, and one fewer)
 #define SAMPLE_MAX_BLOCKS 128    // sample_scan blocks per row
 #define SAMPLE_RUN 8             // consecutive ids dealt to one sample_scan block (a 32-byte sector)
+#define SAMPLE_CUT_BITS 16       // low bits of a scan block's cut left out of its search
 // Candidates of a row per sample_finish thread, held in registers.
 #define SAMPLE_PER_THREAD (SAMPLE_MAX_BLOCKS * SAMPLE_CANDIDATES / SAMPLE_THREADS)
 
@@ -314,33 +315,44 @@ __device__ unsigned long long block_total(unsigned long long v, RadixShared& sh)
     return sh.total;
 }
 
-// A block-wide sum with one barrier: the warps' sums go to slots[parity], and each thread's
-// `parity` alternates, so that a sum's stores cannot overwrite slots the previous sum is still
-// reading (a thread stores the next only after every thread has reached this sum's barrier).
+// Sum over the warp of values below 2^48 in three 32-bit reductions of 16 bits each (none can
+// overflow): three REDUX instructions where a 64-bit shuffle tree is ten dependent shuffles,
+// and the threshold searches below are chains of such sums.
+__device__ __forceinline__ unsigned long long warp_sum_48(unsigned long long v) {
+    const uint32_t low = (uint32_t)v, high = (uint32_t)(v >> 32);
+    return (unsigned long long)__reduce_add_sync(0xffffffffu, low & 0xffffu) +
+           ((unsigned long long)__reduce_add_sync(0xffffffffu, low >> 16) << 16) +
+           ((unsigned long long)__reduce_add_sync(0xffffffffu, high) << 32);
+}
+
+// A block-wide sum of per-thread values whose block sum is below 2^48 (counts, and fixed-point
+// masses of at most 2^13 tokens), with one barrier: the warps' sums go to slots[parity], and
+// each thread's `parity` alternates, so that a sum's stores cannot overwrite slots the previous
+// sum is still reading (a thread stores the next only after every thread has reached this
+// sum's barrier).
 __device__ unsigned long long block_sum_u64(unsigned long long v, unsigned long long (&slots)[2][32], int& parity) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum_48(v);
     if (lane == 0) slots[parity][warp] = v;
     __syncthreads();
-    v = lane < warps ? slots[parity][lane] : 0ull;
+    v = warp_sum_48(lane < warps ? slots[parity][lane] : 0ull);
     parity ^= 1;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
 // The largest key K in [low, high] at which amount(K), a block-wide sum of partial(K) that does
 // not grow with K, still reaches `target` (the caller has checked amount(low) does), found bit by
 // bit below the bits low and high share: one block sum per bit and no atomics, where a histogram
-// of keys this alike would put most of a warp's additions on one bin. Called by the whole block.
+// of keys this alike would put most of a warp's additions on one bin. With lowest_bit > 0, the
+// largest such K whose bits below lowest_bit are 0 (one round fewer per bit left out). Called by
+// the whole block.
 template <typename Partial>
 __device__ uint32_t largest_key_reaching(unsigned long long target, uint32_t low, uint32_t high, Partial partial,
-                                         unsigned long long (&slots)[2][32], int& parity) {
+                                         unsigned long long (&slots)[2][32], int& parity, int lowest_bit = 0) {
     if (low >= high) return low;
     const int top = 31 - __clz(low ^ high);
     uint32_t key = top == 31 ? 0u : low & ~((2u << top) - 1u);
-    for (int bit = top; bit >= 0; --bit) {
+    for (int bit = top; bit >= lowest_bit; --bit) {
         const uint32_t t = key | (1u << bit);
         if (block_sum_u64(partial(t), slots, parity) >= target) key = t;
     }
@@ -470,15 +482,20 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
     top = block_max(top, vals);
     int parity = 0;
     count = block_sum_u64(count, slots, parity);
-    // The SAMPLE_CANDIDATES-th largest key; the candidates are the keys above it.
+    // The candidates are the keys above cut = K + 2^SAMPLE_CUT_BITS - 1, K the largest multiple of
+    // 2^SAMPLE_CUT_BITS with at least SAMPLE_CANDIDATES keys at or above it: fewer than that many
+    // lie above the cut. A bin of 2^16 keys spans 2^-7 of a float's magnitude, so few candidates
+    // are lost to it, and the search takes 16 block sums where the exact key took 32.
     auto at_least = [&](uint32_t t) {
         unsigned long long c = 0;
         for (int j = threadIdx.x; j < len; j += blockDim.x) c += keys[j] >= t;
         return c;
     };
-    const uint32_t cut =
-        count > SAMPLE_CANDIDATES ? largest_key_reaching(SAMPLE_CANDIDATES, 1u, order_key(top), at_least, slots, parity)
-                                  : 0u;
+    const uint32_t cut = count > SAMPLE_CANDIDATES
+                             ? largest_key_reaching(SAMPLE_CANDIDATES, 1u, order_key(top), at_least, slots, parity,
+                                                    SAMPLE_CUT_BITS) +
+                                   ((1u << SAMPLE_CUT_BITS) - 1u)
+                             : 0u;
     if (threadIdx.x == 0) taken = 0;
     __syncthreads();
     float rest = 0.0f;
