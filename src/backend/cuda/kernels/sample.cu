@@ -105,6 +105,7 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
 #define SAMPLE_MAX_BLOCKS 128    // sample_scan blocks per row
 #define SAMPLE_RUN 8             // consecutive ids dealt to one sample_scan block (a 32-byte sector)
 #define SAMPLE_CUT_BITS 16       // low bits of a scan block's cut left out of its search
+#define SAMPLE_SCAN_LOADS 8      // loads in flight per sample_scan thread
 // Candidates of a row per sample_finish thread, held in registers.
 #define SAMPLE_PER_THREAD (SAMPLE_MAX_BLOCKS * SAMPLE_CANDIDATES / SAMPLE_THREADS)
 
@@ -463,14 +464,27 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
     float top = -INFINITY, best = -INFINITY;
     int best_id = 0x7fffffff;
     unsigned long long count = 0;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        const int id = slice_token(blockIdx.x, j, gridDim.x);
-        const float l = logits[id];
-        if (filtered) keys[j] = isfinite(l) ? order_key(l) : 0u;
-        if (isfinite(l)) {
-            better(best, best_id, l * inv_t + gumbel(d.seed, id), id);
-            top = fmaxf(top, l);
-            ++count;
+    // SAMPLE_SCAN_LOADS loads in flight per thread before any is used: a slice is a few loads per
+    // thread, each an L2 round trip.
+    for (int j0 = threadIdx.x; j0 < len; j0 += SAMPLE_SCAN_LOADS * blockDim.x) {
+        float ls[SAMPLE_SCAN_LOADS];
+#pragma unroll
+        for (int u = 0; u < SAMPLE_SCAN_LOADS; ++u) {
+            const int j = j0 + u * blockDim.x;
+            ls[u] = j < len ? logits[slice_token(blockIdx.x, j, gridDim.x)] : -INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < SAMPLE_SCAN_LOADS; ++u) {
+            const int j = j0 + u * blockDim.x;
+            if (j >= len) break;
+            const int id = slice_token(blockIdx.x, j, gridDim.x);
+            const float l = ls[u];
+            if (filtered) keys[j] = isfinite(l) ? order_key(l) : 0u;
+            if (isfinite(l)) {
+                better(best, best_id, l * inv_t + gumbel(d.seed, id), id);
+                top = fmaxf(top, l);
+                ++count;
+            }
         }
     }
     block_best(best, best_id, vals, idxs);
