@@ -488,9 +488,11 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 /// temperature alone (each scan block draws from its slice), top-p or min-p alone with a kept
 /// set among the scan blocks' candidates, and kept sets reaching below some block's candidates
 /// (the finishing block filters the whole row: top-k beyond the candidates, and broad top-p or
-/// min-p sets at higher temperatures). Which path a setting takes depends on the fixture's
-/// logits (1,024 tokens dealt to 4 scan blocks in runs of 8, at most 63 candidates each; the settings below keep ~1,024,
-/// ~35, ~216, 300, ~640 and ~460 tokens); all must follow the distribution.
+/// min-p sets at higher temperatures), and top-k with top-p cutting inside its set (the
+/// survivors of a coarse top-k threshold ordered by one warp). Which path a setting takes
+/// depends on the fixture's logits (1,024 tokens dealt to 4 scan blocks in runs of 8, at most
+/// 63 candidates each; the settings below keep ~1,024, ~35, ~216, 300, ~640, ~460 and fewer
+/// than 40 tokens); all must follow the distribution.
 #[test]
 fn device_draws_follow_the_distribution_on_every_path() {
     let model = Model::load(&fixtures()[0]).unwrap();
@@ -505,6 +507,7 @@ fn device_draws_follow_the_distribution_on_every_path() {
         (2.0, 300, 1.0, 0.0),
         (3.0, 0, 0.95, 0.0),
         (4.0, 0, 1.0, 0.05),
+        (2.0, 40, 0.7, 0.0),
     ] {
         let draw = |seed: u64| DeviceDraw {
             temperature,

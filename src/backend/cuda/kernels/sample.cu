@@ -106,6 +106,7 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
 #define SAMPLE_RUN 8             // consecutive ids dealt to one sample_scan block (a 32-byte sector)
 #define SAMPLE_CUT_BITS 16       // low bits of a scan block's cut left out of its search
 #define SAMPLE_SCAN_LOADS 8      // loads in flight per sample_scan thread
+#define SAMPLE_SURVIVORS 64      // most top-k survivors one warp orders (two per lane)
 // Candidates of a row per sample_finish thread, held in registers.
 #define SAMPLE_PER_THREAD (SAMPLE_MAX_BLOCKS * SAMPLE_CANDIDATES / SAMPLE_THREADS)
 
@@ -360,6 +361,59 @@ __device__ uint32_t largest_key_reaching(unsigned long long target, uint32_t low
     return max(key, low);
 }
 
+// The candidates that reach a coarse top-k threshold, in any order, gathered for one warp to
+// order when there are at most SAMPLE_SURVIVORS of them.
+struct Survivors {
+    uint32_t key[SAMPLE_SURVIVORS];
+    unsigned long long weight[SAMPLE_SURVIVORS];  // fixed-point, as fixed_weight
+    uint32_t sorted_key[SAMPLE_SURVIVORS];        // by descending key, ties in slot order
+    unsigned long long sorted_weight[SAMPLE_SURVIVORS];
+    int count;
+    uint32_t threshold;
+};
+
+// By warp 0, on survivors that hold the top_k largest keys: the top-k threshold is the k-th
+// largest key, and the top-p threshold (top_p < 1) the key at which the running mass of the
+// top-k set, in descending order, first reaches top_p_target of its total. These are the keys
+// the bitwise searches of candidate_thresholds find (mass above a key is constant between
+// consecutive keys), from one warp's ranking instead of ~50 block sums. Into s.threshold.
+__device__ void survivor_thresholds(Survivors& s, int top_k, float top_p) {
+    const int lane = threadIdx.x & 31, n = s.count;
+    for (int i = lane; i < n; i += 32) {
+        const uint32_t k = s.key[i];
+        int rank = 0;
+        for (int j = 0; j < n; ++j) {
+            const uint32_t o = s.key[j];
+            rank += o > k || (o == k && j < i);
+        }
+        s.sorted_key[rank] = k;
+        s.sorted_weight[rank] = s.weight[i];
+    }
+    __syncwarp();
+    const uint32_t kth = s.sorted_key[top_k - 1];
+    uint32_t threshold = kth;
+    if (top_p < 1.0f) {
+        // Lane l holds sorted entries 2l and 2l + 1; those top-k drops (a suffix) weigh nothing.
+        const int a = 2 * lane, b = a + 1;
+        const unsigned long long wa = a < n && s.sorted_key[a] >= kth ? s.sorted_weight[a] : 0ull;
+        const unsigned long long wb = b < n && s.sorted_key[b] >= kth ? s.sorted_weight[b] : 0ull;
+        unsigned long long running = wa + wb;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned long long t = __shfl_up_sync(0xffffffffu, running, o);
+            if (lane >= o) running += t;
+        }
+        const unsigned long long total = __shfl_sync(0xffffffffu, running, 31);
+        const unsigned long long target = top_p_target(total, top_p);
+        const unsigned long long before = running - wa - wb;
+        // The total reaches its own target, so some lane does.
+        const int at = __ffs(__ballot_sync(0xffffffffu, running >= target)) - 1;
+        const bool first = __shfl_sync(0xffffffffu, before + wa >= target, at);
+        threshold = s.sorted_key[2 * at + (first ? 0 : 1)];
+    }
+    if (lane == 0) s.threshold = threshold;
+}
+
 // Thresholds of a draw's filters, among the row's candidates (SAMPLE_PER_THREAD keys per
 // thread, 0 for none; every token left out has a key of at most `cut`, 0 when none is, and
 // `outside` is their fixed-point mass relative to the row's largest logit m): tokens with keys >= .x (and weight >= the min-p cut) are kept. .y: 1 when these are the
@@ -382,7 +436,29 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD], 
         };
         const unsigned long long target = (unsigned long long)d.top_k;
         if (block_sum_u64(count(low), slots, parity) < target) return make_uint2(0, 0);
-        threshold = largest_key_reaching(target, low, high, count, slots, parity);
+        // To bit SAMPLE_CUT_BITS first: the threshold lies in [coarse, coarse + 2^16), and when
+        // few candidates reach coarse (a bin of 2^16 keys spans 2^-7 of a float's magnitude) one
+        // warp orders them for both thresholds; else the search goes on to bit 0.
+        constexpr uint32_t bin = (1u << SAMPLE_CUT_BITS) - 1u;
+        const uint32_t coarse = largest_key_reaching(target, low, high, count, slots, parity, SAMPLE_CUT_BITS);
+        __shared__ Survivors survivors;
+        if (threadIdx.x == 0) survivors.count = 0;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < SAMPLE_PER_THREAD; ++j) {
+            if (key[j] < coarse) continue;
+            const int slot = atomicAdd(&survivors.count, 1);
+            if (slot >= SAMPLE_SURVIVORS) continue;
+            survivors.key[slot] = key[j];
+            survivors.weight[slot] = fixed_weight(key_value(key[j]), m, inv_t);
+        }
+        __syncthreads();
+        if (survivors.count <= SAMPLE_SURVIVORS) {
+            if (threadIdx.x < 32) survivor_thresholds(survivors, d.top_k, d.top_p);
+            __syncthreads();
+            return make_uint2(survivors.threshold, 1);
+        }
+        threshold = largest_key_reaching(target, coarse, min(coarse | bin, high), count, slots, parity);
     }
     unsigned long long w[SAMPLE_PER_THREAD];
 #pragma unroll
