@@ -361,8 +361,8 @@ __device__ uint32_t largest_key_reaching(unsigned long long target, uint32_t low
     return max(key, low);
 }
 
-// The candidates that reach a coarse top-k threshold, in any order, gathered for one warp to
-// order when there are at most SAMPLE_SURVIVORS of them.
+// The candidates that reach a coarse threshold (bits below SAMPLE_CUT_BITS left out), in any
+// order, gathered for one warp to order when there are at most SAMPLE_SURVIVORS of them.
 struct Survivors {
     uint32_t key[SAMPLE_SURVIVORS];
     unsigned long long weight[SAMPLE_SURVIVORS];  // fixed-point, as fixed_weight
@@ -372,12 +372,30 @@ struct Survivors {
     uint32_t threshold;
 };
 
-// By warp 0, on survivors that hold the top_k largest keys: the top-k threshold is the k-th
-// largest key, and the top-p threshold (top_p < 1) the key at which the running mass of the
-// top-k set, in descending order, first reaches top_p_target of its total. These are the keys
-// the bitwise searches of candidate_thresholds find (mass above a key is constant between
-// consecutive keys), from one warp's ranking instead of ~50 block sums. Into s.threshold.
-__device__ void survivor_thresholds(Survivors& s, int top_k, float top_p) {
+// Gathers this thread's candidates with keys >= coarse into s (s.count zeroed and synchronised
+// by the caller); ends synchronised. s.count ends as the number that reached coarse, which may
+// exceed what s holds.
+__device__ void gather_survivors(const uint32_t (&key)[SAMPLE_PER_THREAD], uint32_t coarse, float m, float inv_t,
+                                 Survivors& s) {
+#pragma unroll
+    for (int j = 0; j < SAMPLE_PER_THREAD; ++j) {
+        if (key[j] < coarse) continue;
+        const int slot = atomicAdd(&s.count, 1);
+        if (slot >= SAMPLE_SURVIVORS) continue;
+        s.key[slot] = key[j];
+        s.weight[slot] = fixed_weight(key_value(key[j]), m, inv_t);
+    }
+    __syncthreads();
+}
+
+// By warp 0, on survivors that hold every token the filters keep: with top_k > 0, the top-k
+// threshold is the k-th largest key, and the top-p threshold (top_p < 1) the key at which the
+// running mass of the top-k set, in descending order, first reaches top_p_target of its
+// total; with top_k 0, the key at which the running mass reaches `target` (top-p's over the
+// whole row). These are the keys the bitwise searches of candidate_thresholds find (the mass
+// above a key is constant between consecutive keys), from one warp's ranking instead of ~25
+// block sums per filter. Into s.threshold.
+__device__ void survivor_thresholds(Survivors& s, int top_k, float top_p, unsigned long long target) {
     const int lane = threadIdx.x & 31, n = s.count;
     for (int i = lane; i < n; i += 32) {
         const uint32_t k = s.key[i];
@@ -390,7 +408,7 @@ __device__ void survivor_thresholds(Survivors& s, int top_k, float top_p) {
         s.sorted_weight[rank] = s.weight[i];
     }
     __syncwarp();
-    const uint32_t kth = s.sorted_key[top_k - 1];
+    const uint32_t kth = top_k > 0 ? s.sorted_key[top_k - 1] : 0u;
     uint32_t threshold = kth;
     if (top_p < 1.0f) {
         // Lane l holds sorted entries 2l and 2l + 1; those top-k drops (a suffix) weigh nothing.
@@ -403,10 +421,9 @@ __device__ void survivor_thresholds(Survivors& s, int top_k, float top_p) {
             const unsigned long long t = __shfl_up_sync(0xffffffffu, running, o);
             if (lane >= o) running += t;
         }
-        const unsigned long long total = __shfl_sync(0xffffffffu, running, 31);
-        const unsigned long long target = top_p_target(total, top_p);
+        if (top_k > 0) target = top_p_target(__shfl_sync(0xffffffffu, running, 31), top_p);
         const unsigned long long before = running - wa - wb;
-        // The total reaches its own target, so some lane does.
+        // The survivors' mass reaches the target (the callers check), so some lane does.
         const int at = __ffs(__ballot_sync(0xffffffffu, running >= target)) - 1;
         const bool first = __shfl_sync(0xffffffffu, before + wa >= target, at);
         threshold = s.sorted_key[2 * at + (first ? 0 : 1)];
@@ -427,6 +444,13 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD], 
     const uint32_t high = order_key(m), low = cut + 1;
     uint32_t threshold = 0;
     const bool top_k = d.top_k > 0 && d.top_k < tokens;
+    // The searches run to bit SAMPLE_CUT_BITS first: a threshold lies in [coarse, coarse | bin],
+    // and when few candidates reach coarse (a bin of 2^16 keys spans 2^-7 of a float's
+    // magnitude) one warp orders them for the exact thresholds; else the search goes on to bit 0.
+    constexpr uint32_t bin = (1u << SAMPLE_CUT_BITS) - 1u;
+    __shared__ Survivors survivors;
+    if (threadIdx.x == 0) survivors.count = 0;
+    __syncthreads();
     if (top_k) {
         auto count = [&](uint32_t t) {
             unsigned long long c = 0;
@@ -436,25 +460,10 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD], 
         };
         const unsigned long long target = (unsigned long long)d.top_k;
         if (block_sum_u64(count(low), slots, parity) < target) return make_uint2(0, 0);
-        // To bit SAMPLE_CUT_BITS first: the threshold lies in [coarse, coarse + 2^16), and when
-        // few candidates reach coarse (a bin of 2^16 keys spans 2^-7 of a float's magnitude) one
-        // warp orders them for both thresholds; else the search goes on to bit 0.
-        constexpr uint32_t bin = (1u << SAMPLE_CUT_BITS) - 1u;
         const uint32_t coarse = largest_key_reaching(target, low, high, count, slots, parity, SAMPLE_CUT_BITS);
-        __shared__ Survivors survivors;
-        if (threadIdx.x == 0) survivors.count = 0;
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < SAMPLE_PER_THREAD; ++j) {
-            if (key[j] < coarse) continue;
-            const int slot = atomicAdd(&survivors.count, 1);
-            if (slot >= SAMPLE_SURVIVORS) continue;
-            survivors.key[slot] = key[j];
-            survivors.weight[slot] = fixed_weight(key_value(key[j]), m, inv_t);
-        }
-        __syncthreads();
+        gather_survivors(key, coarse, m, inv_t, survivors);
         if (survivors.count <= SAMPLE_SURVIVORS) {
-            if (threadIdx.x < 32) survivor_thresholds(survivors, d.top_k, d.top_p);
+            if (threadIdx.x < 32) survivor_thresholds(survivors, d.top_k, d.top_p, 0ull);
             __syncthreads();
             return make_uint2(survivors.threshold, 1);
         }
@@ -481,7 +490,20 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD], 
         };
         const uint32_t from = max(threshold, low);
         if (block_sum_u64(weight_above(from), slots, parity) < target) return make_uint2(0, 0);
-        threshold = largest_key_reaching(target, from, high, weight_above, slots, parity);
+        if (top_k) {
+            threshold = largest_key_reaching(target, from, high, weight_above, slots, parity);
+        } else {
+            // As top-k's: to bit SAMPLE_CUT_BITS, then one warp when few candidates reach that.
+            const uint32_t coarse =
+                largest_key_reaching(target, from, high, weight_above, slots, parity, SAMPLE_CUT_BITS);
+            gather_survivors(key, coarse, m, inv_t, survivors);
+            if (survivors.count <= SAMPLE_SURVIVORS) {
+                if (threadIdx.x < 32) survivor_thresholds(survivors, 0, d.top_p, target);
+                __syncthreads();
+                return make_uint2(survivors.threshold, 1);
+            }
+            threshold = largest_key_reaching(target, coarse, min(coarse | bin, high), weight_above, slots, parity);
+        }
     }
     if (!top_k && d.top_p >= 1.0f && cut != 0) {
         // min-p alone: its cut must drop the largest token left out.
