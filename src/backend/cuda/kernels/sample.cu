@@ -105,6 +105,7 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
 #define SAMPLE_MAX_BLOCKS 128    // sample_scan blocks per row
 #define SAMPLE_RUN 8             // consecutive ids dealt to one sample_scan block (a 32-byte sector)
 #define SAMPLE_CUT_BITS 16       // low bits of a scan block's cut left out of its search
+#define SAMPLE_CUT_BIN ((1u << SAMPLE_CUT_BITS) - 1u)  // those bits set
 #define SAMPLE_SCAN_LOADS 8      // loads in flight per sample_scan thread
 #define SAMPLE_SURVIVORS 64      // most top-k survivors one warp orders (two per lane)
 // Candidates of a row per sample_finish thread, held in registers.
@@ -372,22 +373,6 @@ struct Survivors {
     uint32_t threshold;
 };
 
-// Gathers this thread's candidates with keys >= coarse into s (s.count zeroed and synchronised
-// by the caller); ends synchronised. s.count ends as the number that reached coarse, which may
-// exceed what s holds.
-__device__ void gather_survivors(const uint32_t (&key)[SAMPLE_PER_THREAD], uint32_t coarse, float m, float inv_t,
-                                 Survivors& s) {
-#pragma unroll
-    for (int j = 0; j < SAMPLE_PER_THREAD; ++j) {
-        if (key[j] < coarse) continue;
-        const int slot = atomicAdd(&s.count, 1);
-        if (slot >= SAMPLE_SURVIVORS) continue;
-        s.key[slot] = key[j];
-        s.weight[slot] = fixed_weight(key_value(key[j]), m, inv_t);
-    }
-    __syncthreads();
-}
-
 // By warp 0, on survivors that hold every token the filters keep: with top_k > 0, the top-k
 // threshold is the k-th largest key, and the top-p threshold (top_p < 1) the key at which the
 // running mass of the top-k set, in descending order, first reaches top_p_target of its
@@ -431,6 +416,27 @@ __device__ void survivor_thresholds(Survivors& s, int top_k, float top_p, unsign
     if (lane == 0) s.threshold = threshold;
 }
 
+// Whether the candidates with keys >= coarse are few enough (SAMPLE_SURVIVORS) for one warp to
+// order, in which case survivor_thresholds has left the thresholds of every filter in
+// s.threshold (s.count zeroed and synchronised by the caller). Called by the whole block; ends
+// synchronised.
+__device__ bool settled_by_survivors(const uint32_t (&key)[SAMPLE_PER_THREAD], uint32_t coarse, float m, float inv_t,
+                                     int top_k, float top_p, unsigned long long target, Survivors& s) {
+#pragma unroll
+    for (int j = 0; j < SAMPLE_PER_THREAD; ++j) {
+        if (key[j] < coarse) continue;
+        const int slot = atomicAdd(&s.count, 1);
+        if (slot >= SAMPLE_SURVIVORS) continue;
+        s.key[slot] = key[j];
+        s.weight[slot] = fixed_weight(key_value(key[j]), m, inv_t);
+    }
+    __syncthreads();
+    if (s.count > SAMPLE_SURVIVORS) return false;
+    if (threadIdx.x < 32) survivor_thresholds(s, top_k, top_p, target);
+    __syncthreads();
+    return true;
+}
+
 // Thresholds of a draw's filters, among the row's candidates (SAMPLE_PER_THREAD keys per
 // thread, 0 for none; every token left out has a key of at most `cut`, 0 when none is, and
 // `outside` is their fixed-point mass relative to the row's largest logit m): tokens with keys >= .x (and weight >= the min-p cut) are kept. .y: 1 when these are the
@@ -444,10 +450,10 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD], 
     const uint32_t high = order_key(m), low = cut + 1;
     uint32_t threshold = 0;
     const bool top_k = d.top_k > 0 && d.top_k < tokens;
-    // The searches run to bit SAMPLE_CUT_BITS first: a threshold lies in [coarse, coarse | bin],
-    // and when few candidates reach coarse (a bin of 2^16 keys spans 2^-7 of a float's
-    // magnitude) one warp orders them for the exact thresholds; else the search goes on to bit 0.
-    constexpr uint32_t bin = (1u << SAMPLE_CUT_BITS) - 1u;
+    // The searches run to bit SAMPLE_CUT_BITS first: a threshold lies in [coarse, coarse |
+    // SAMPLE_CUT_BIN], and when few candidates reach coarse (a bin of 2^16 keys spans 2^-7 of a
+    // float's magnitude) one warp orders them and finds the exact thresholds of every filter
+    // (settled_by_survivors); else the search goes on to bit 0.
     __shared__ Survivors survivors;
     if (threadIdx.x == 0) survivors.count = 0;
     __syncthreads();
@@ -461,13 +467,9 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD], 
         const unsigned long long target = (unsigned long long)d.top_k;
         if (block_sum_u64(count(low), slots, parity) < target) return make_uint2(0, 0);
         const uint32_t coarse = largest_key_reaching(target, low, high, count, slots, parity, SAMPLE_CUT_BITS);
-        gather_survivors(key, coarse, m, inv_t, survivors);
-        if (survivors.count <= SAMPLE_SURVIVORS) {
-            if (threadIdx.x < 32) survivor_thresholds(survivors, d.top_k, d.top_p, 0ull);
-            __syncthreads();
+        if (settled_by_survivors(key, coarse, m, inv_t, d.top_k, d.top_p, 0ull, survivors))
             return make_uint2(survivors.threshold, 1);
-        }
-        threshold = largest_key_reaching(target, coarse, min(coarse | bin, high), count, slots, parity);
+        threshold = largest_key_reaching(target, coarse, min(coarse | SAMPLE_CUT_BIN, high), count, slots, parity);
     }
     unsigned long long w[SAMPLE_PER_THREAD];
 #pragma unroll
@@ -491,18 +493,15 @@ __device__ uint2 candidate_thresholds(const uint32_t (&key)[SAMPLE_PER_THREAD], 
         const uint32_t from = max(threshold, low);
         if (block_sum_u64(weight_above(from), slots, parity) < target) return make_uint2(0, 0);
         if (top_k) {
+            // The top-k set's survivors were too many for one warp: no coarse search either.
             threshold = largest_key_reaching(target, from, high, weight_above, slots, parity);
         } else {
-            // As top-k's: to bit SAMPLE_CUT_BITS, then one warp when few candidates reach that.
             const uint32_t coarse =
                 largest_key_reaching(target, from, high, weight_above, slots, parity, SAMPLE_CUT_BITS);
-            gather_survivors(key, coarse, m, inv_t, survivors);
-            if (survivors.count <= SAMPLE_SURVIVORS) {
-                if (threadIdx.x < 32) survivor_thresholds(survivors, 0, d.top_p, target);
-                __syncthreads();
+            if (settled_by_survivors(key, coarse, m, inv_t, 0, d.top_p, target, survivors))
                 return make_uint2(survivors.threshold, 1);
-            }
-            threshold = largest_key_reaching(target, coarse, min(coarse | bin, high), weight_above, slots, parity);
+            threshold = largest_key_reaching(target, coarse, min(coarse | SAMPLE_CUT_BIN, high), weight_above, slots,
+                                             parity);
         }
     }
     if (!top_k && d.top_p >= 1.0f && cut != 0) {
@@ -606,7 +605,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
     const uint32_t cut = count > SAMPLE_CANDIDATES
                              ? largest_key_reaching(SAMPLE_CANDIDATES, 1u, order_key(top), at_least, slots, parity,
                                                     SAMPLE_CUT_BITS) +
-                                   ((1u << SAMPLE_CUT_BITS) - 1u)
+                                   SAMPLE_CUT_BIN
                              : 0u;
     if (threadIdx.x == 0) taken = 0;
     __syncthreads();
