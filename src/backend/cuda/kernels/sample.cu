@@ -699,10 +699,20 @@ __device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d,
             if (lane == 0) better(best, best_id, parts.draw_val[first + b], own);
             continue;
         }
-        for (int j = lane; j < min(slice_len(b, blocks, n), slice); j += 32) {
-            const int i = slice_token(b, j, blocks);
-            const float l = logits[i];
-            if (kept(l)) better(best, best_id, l * inv_t + gumbel(d.seed, i), i);
+        // ROW_LOADS loads in flight per lane: the slice is ~60 loads per lane, each an L2 round trip.
+        const int len = min(slice_len(b, blocks, n), slice);
+        for (int j0 = lane; j0 < len; j0 += 32 * ROW_LOADS) {
+            float ls[ROW_LOADS];
+#pragma unroll
+            for (int u = 0; u < ROW_LOADS; ++u) {
+                const int j = j0 + 32 * u;
+                ls[u] = j < len ? logits[slice_token(b, j, blocks)] : -INFINITY;
+            }
+#pragma unroll
+            for (int u = 0; u < ROW_LOADS; ++u) {
+                const int i = slice_token(b, j0 + 32 * u, blocks);
+                if (kept(ls[u])) better(best, best_id, ls[u] * inv_t + gumbel(d.seed, i), i);
+            }
         }
     }
 }
