@@ -4,7 +4,8 @@
 #   2. tests/cuda.rs: CUDA vs CPU backend on the tiny fixtures, logits within 3x the calibrated
 #      bf16 spread, device argmax, forks, slots, context limit;
 #   3. compute-sanitizer (memcheck) on a short prefill + decode, greedy and sampled (filters
-#      within the draw's candidates, and top-k beyond them), on a 700-token prompt of the 4-bit
+#      within the draw's candidates, and top-k beyond them; penalties over the slot's history,
+#      drawn and greedy), on a 700-token prompt of the 4-bit
 #      fixture (the tensor-core products, grouped experts, chunkwise DeltaNet and flash attention
 #      of batched prefill), and on the batched-decode tests;
 #   4. scripts/gpu_side_by_side.py: three lily processes decoding at once on the GPU, each with
@@ -59,6 +60,13 @@ step sanitizer-sampled compute-sanitizer --error-exitcode 1 --tool memcheck \
 step sanitizer-sampled-whole-row compute-sanitizer --error-exitcode 1 --tool memcheck \
     "$lily" generate --model "$fixture" --prompt-ids 1,2,3,4,5 --max-tokens 8 --json --device cuda \
     --temperature 2 --top-k 300 --seed 1
+# Penalties over the history the slot holds, with a draw and greedy.
+step sanitizer-penalised compute-sanitizer --error-exitcode 1 --tool memcheck \
+    "$lily" generate --model "$fixture" --prompt-ids 1,2,3,4,5 --max-tokens 8 --json --device cuda \
+    --temperature 0.8 --top-k 40 --repetition-penalty 1.2 --presence-penalty 1.5 --seed 1
+step sanitizer-penalised-greedy compute-sanitizer --error-exitcode 1 --tool memcheck \
+    "$lily" generate --model "$fixture" --prompt-ids 1,2,3,4,5 --max-tokens 8 --json --device cuda \
+    --frequency-penalty 0.5
 q4="$(mktemp -d)/q4"
 step convert-q4 "$lily" convert --model "$fixture" --out "$q4" --bits 4 --group-size 64
 long_prompt="$(seq -s, 1 700 | awk -F, '{for (i = 1; i <= NF; i++) printf "%s%d", (i > 1 ? "," : ""), ($i * 37) % 200 + 1}')"

@@ -116,12 +116,19 @@ fn sampled_decode(
     generate: usize,
 ) -> Result<f64> {
     let mut sampler = Sampler::new(params.clone(), prompt)?;
-    let mut next = sampler.device_draws(backend.config().vocab_size).context(
-        "sampled decode: these parameters are not drawn on the GPU (give a temperature above 0)",
-    )?;
     let mut state = backend.new_state()?;
     let logits = backend.prefill(&mut state, prompt, LogitsFor::Last)?;
     let first = crate::backend::argmax(&logits);
+    if sampler.penalises() {
+        sampler.record(first);
+        backend.load_penalty_history(&mut state, &sampler.penalty_history())?;
+    }
+    let mut next = sampler
+        .device_draws(backend.config().vocab_size, backend.penalises_on_device())
+        .context(
+            "sampled decode: these parameters are not drawn on the GPU (give a temperature \
+             above 0 or a penalty)",
+        )?;
     let token = backend.decode_sample(&mut [&mut state], &[first], &[next()])?[0];
     backend.synchronize()?;
     let mut left = generate - 1;
@@ -382,12 +389,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         writeln!(
             out,
             "decode sampled     {tok_s:.1} tok/s ({:.3} ms/token; drawn on the GPU at temperature \
-             {}, top-p {}, top-k {}, min-p {})",
+             {}, top-p {}, top-k {}, min-p {}, repetition penalty {}, presence penalty {}, \
+             frequency penalty {})",
             1e3 / tok_s,
             p.temperature,
             p.top_p,
             p.top_k,
-            p.min_p
+            p.min_p,
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty
         )?;
     }
     if let Some(b) = &batched {

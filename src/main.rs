@@ -134,7 +134,8 @@ enum Command {
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
         batch: u32,
         /// Also time a decode whose tokens are drawn on the GPU at this temperature (with
-        /// --top-p, --top-k and --min-p), as a sampling request's are.
+        /// --top-p, --top-k, --min-p and the penalties), as a sampling request's are; 0 with a
+        /// penalty draws greedily.
         #[arg(long)]
         temperature: Option<f32>,
         #[arg(long, default_value_t = 1.0, requires = "temperature")]
@@ -144,6 +145,8 @@ enum Command {
         top_k: usize,
         #[arg(long, default_value_t = 0.0, requires = "temperature")]
         min_p: f32,
+        #[command(flatten)]
+        penalties: PenaltyArgs,
     },
     /// Serve an OpenAI-compatible API (without --model, the embedded demo model).
     Serve(ServeArgs),
@@ -197,8 +200,8 @@ struct GenerateArgs {
     top_k: usize,
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f32,
+    #[command(flatten)]
+    penalties: PenaltyArgs,
     #[arg(long)]
     seed: Option<u64>,
     /// Stop string (repeatable); never emitted.
@@ -209,6 +212,20 @@ struct GenerateArgs {
     json: bool,
     #[command(flatten)]
     device: DeviceArgs,
+}
+
+/// The sampler's penalties on the ids a sequence has seen (`SamplingParams`).
+#[derive(Args)]
+struct PenaltyArgs {
+    /// Positive logits of ids in the prompt or output divided by it, negative ones multiplied.
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Subtracted from the logit of every id generated at least once.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// Subtracted from an id's logit once per time it was generated.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
 }
 
 #[derive(Args)]
@@ -505,6 +522,7 @@ fn run(cli: Cli) -> Result<()> {
             top_p,
             top_k,
             min_p,
+            penalties,
         } => {
             use lily::backend::cuda::weights::WeightFormat;
             anyhow::ensure!(
@@ -533,8 +551,10 @@ fn run(cli: Cli) -> Result<()> {
                     top_p,
                     top_k,
                     min_p,
+                    repetition_penalty: penalties.repetition_penalty,
+                    presence_penalty: penalties.presence_penalty,
+                    frequency_penalty: penalties.frequency_penalty,
                     seed: Some(0),
-                    ..SamplingParams::default()
                 }),
             })?;
         }
@@ -629,9 +649,10 @@ fn run_generate<B: Backend>(backend: &B, args: &GenerateArgs) -> Result<()> {
             top_p: args.top_p,
             top_k: args.top_k,
             min_p: args.min_p,
-            repetition_penalty: args.repetition_penalty,
+            repetition_penalty: args.penalties.repetition_penalty,
+            presence_penalty: args.penalties.presence_penalty,
+            frequency_penalty: args.penalties.frequency_penalty,
             seed: args.seed,
-            ..SamplingParams::default()
         },
         stop: args.stop.clone(),
         eos_token_ids: eos_token_ids(&args.model, backend.config())?,

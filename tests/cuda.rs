@@ -12,10 +12,11 @@ use std::sync::Arc;
 
 use lily::backend::cpu::CpuBackend;
 use lily::backend::cuda::{CudaBackend, CudaOptions, CudaState, DEFAULT_PREFILL_CHUNK};
-use lily::backend::{Backend, DeviceDraw, LogitsFor, RunChoice, argmax};
+use lily::backend::{Backend, DeviceDraw, LogitsFor, Penalties, RunChoice, argmax};
 use lily::checkpoint::DType;
 use lily::config::ModelConfig;
 use lily::convert::{ConvertOptions, DEFAULT_MAX_SHARD_BYTES, convert};
+use lily::engine::sampler::{Sampler, SamplingParams};
 use lily::model::demo::{
     demo_config_json, random_model, random_safetensors, random_safetensors_in,
 };
@@ -408,8 +409,8 @@ struct DrawProbe {
 }
 
 impl DrawProbe {
-    fn new(model: &Model) -> Self {
-        let gpu = cuda(model, 3);
+    fn new(model: &Model, sequences: usize) -> Self {
+        let gpu = cuda(model, sequences);
         let prompt = &prompts(&fixtures()[0])[0];
         let (&last, head) = prompt.split_last().unwrap();
         let mut base = gpu.new_state().unwrap();
@@ -439,7 +440,7 @@ impl DrawProbe {
 fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
     let model = Model::load(&fixtures()[0]).unwrap();
     let vocab = model.config.vocab_size;
-    let probe = DrawProbe::new(&model);
+    let probe = DrawProbe::new(&model, 3);
     assert!(probe.gpu.samples_on_device());
     let logits = &probe.logits;
     let draw = |seed: u64, top_k: usize| DeviceDraw {
@@ -448,6 +449,8 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
         top_p: 0.9,
         min_p: 0.0,
         allowed: vocab,
+        penalties: Penalties::NONE,
+        greedy: false,
         seed,
     };
     let sample = |d: DeviceDraw| probe.sample(d);
@@ -497,7 +500,7 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 fn device_draws_follow_the_distribution_on_every_path() {
     let model = Model::load(&fixtures()[0]).unwrap();
     let vocab = model.config.vocab_size;
-    let probe = DrawProbe::new(&model);
+    let probe = DrawProbe::new(&model, 3);
     let sample = |d: DeviceDraw| probe.sample(d);
     // (temperature, top-k, top-p, min-p).
     for (temperature, top_k, top_p, min_p) in [
@@ -515,6 +518,8 @@ fn device_draws_follow_the_distribution_on_every_path() {
             top_p,
             min_p,
             allowed: vocab,
+            penalties: Penalties::NONE,
+            greedy: false,
             seed,
         };
         let expected = filtered_probabilities(&probe.logits, temperature, top_k, top_p, min_p);
@@ -539,6 +544,186 @@ fn device_draws_follow_the_distribution_on_every_path() {
             sample(draw(11)),
             "{setting}: same seed, same token"
         );
+    }
+}
+
+/// Total variation distance between two distributions.
+fn distance(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>() / 2.0
+}
+
+/// Penalised draws on the device, over a history loaded from a host sampler's
+/// (`load_penalty_history`), follow the distribution of the host sampler's penalised logits;
+/// greedy decoding with penalties chooses the host sampler's ids step by step in a batch (the
+/// histories found through the batch tables), each chosen id counted in its sequence's history
+/// as it goes; and a frequency penalty of 1,000 keeps a sequence alone from repeating an id.
+#[test]
+fn device_draws_apply_the_penalties_of_the_history() {
+    let dir = &fixtures()[0];
+    let model = Model::load(dir).unwrap();
+    let vocab = model.config.vocab_size;
+    // The probe's base, a fork per draw, and the seven sequences of the greedy runs below.
+    let probe = DrawProbe::new(&model, 8);
+    let gpu = &probe.gpu;
+    assert!(gpu.penalises_on_device());
+
+    // The four most likely ids in the prompt, the next six generated one to three times.
+    let mut order: Vec<u32> = (0..vocab as u32).collect();
+    order.sort_by(|&a, &b| probe.logits[b as usize].total_cmp(&probe.logits[a as usize]));
+    let penalties = SamplingParams {
+        repetition_penalty: 1.3,
+        presence_penalty: 1.5,
+        frequency_penalty: 0.4,
+        ..SamplingParams::default()
+    };
+    let mut host = Sampler::new(penalties.clone(), &order[..4]).unwrap();
+    for (n, &id) in order[2..8].iter().enumerate() {
+        for _ in 0..=n % 3 {
+            host.record(id);
+        }
+    }
+    let history = host.penalty_history();
+    // Greedy sampling leaves the penalised logits in its buffer.
+    let mut penalised = probe.logits.clone();
+    host.sample(&mut penalised).unwrap();
+    let sample = |d: DeviceDraw| {
+        let mut s = gpu.fork(&probe.base).unwrap();
+        gpu.load_penalty_history(&mut s, &history).unwrap();
+        gpu.decode_sample(&mut [&mut s], &[probe.last], &[d])
+            .unwrap()[0] as usize
+    };
+    for (temperature, top_k, top_p) in [(1.0, 0, 1.0), (0.8, 0, 0.9), (1.5, 20, 1.0)] {
+        let setting = format!("temperature {temperature}, top-k {top_k}, top-p {top_p}");
+        let expected = filtered_probabilities(&penalised, temperature, top_k, top_p, 0.0);
+        let unpenalised = filtered_probabilities(&probe.logits, temperature, top_k, top_p, 0.0);
+        let moved = distance(&expected, &unpenalised);
+        assert!(moved > 0.1, "{setting}: the penalties move only {moved}");
+        let draw = |seed: u64| DeviceDraw {
+            temperature,
+            top_k,
+            top_p,
+            min_p: 0.0,
+            allowed: vocab,
+            penalties: penalties.penalties(),
+            greedy: false,
+            seed,
+        };
+        let draws = 4000;
+        let mut counts = vec![0usize; vocab];
+        for seed in 0..draws {
+            let id = sample(draw(seed));
+            assert!(
+                expected[id] > 0.0,
+                "{setting}: drew token {id}, which the filters drop"
+            );
+            counts[id] += 1;
+        }
+        let binned = binned_distance(&counts, &expected);
+        println!(
+            "{setting}, penalised: binned distance over {draws} draws {binned:.4} (the \
+             penalties moved the distribution by {moved:.3})"
+        );
+        assert!(binned < 0.04, "{setting}: binned distance {binned}");
+    }
+
+    // Greedy decoding with penalties, two sequences in a batch: one penalising what it has
+    // seen, one favouring it.
+    let prompt = &prompts(dir)[0];
+    let settings = [
+        SamplingParams {
+            repetition_penalty: 1.2,
+            presence_penalty: 1.5,
+            frequency_penalty: 0.5,
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            repetition_penalty: 0.2,
+            presence_penalty: -2.0,
+            frequency_penalty: 0.7,
+            ..SamplingParams::default()
+        },
+    ];
+    let steps = 16;
+    let start = [probe.last, probe.last];
+    let (mut host_states, mut device_states, mut plain) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..2 {
+        host_states.push(gpu.fork(&probe.base).unwrap());
+        device_states.push(gpu.fork(&probe.base).unwrap());
+    }
+    plain.push(gpu.fork(&probe.base).unwrap());
+    let mut host_samplers: Vec<Sampler> = settings
+        .iter()
+        .map(|p| Sampler::new(p.clone(), prompt).unwrap())
+        .collect();
+    let mut device_samplers: Vec<Sampler> = settings
+        .iter()
+        .map(|p| Sampler::new(p.clone(), prompt).unwrap())
+        .collect();
+    for (state, sampler) in device_states.iter_mut().zip(&device_samplers) {
+        gpu.load_penalty_history(state, &sampler.penalty_history())
+            .unwrap();
+    }
+    let (mut host_tokens, mut device_tokens, mut plain_token) = (start, start, probe.last);
+    let (mut host_ids, mut device_ids, mut plain_ids) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let logits = gpu
+            .decode(
+                &mut host_states.iter_mut().collect::<Vec<_>>(),
+                &host_tokens,
+            )
+            .unwrap();
+        for (row, (sampler, token)) in host_samplers.iter_mut().zip(&mut host_tokens).enumerate() {
+            *token = sampler
+                .sample(&mut logits[row * vocab..(row + 1) * vocab].to_vec())
+                .unwrap()
+                .token_id;
+        }
+        let draws: Vec<DeviceDraw> = device_samplers
+            .iter_mut()
+            .map(|s| s.device_draw(vocab, true).unwrap())
+            .collect();
+        assert!(draws.iter().all(|d| d.greedy));
+        let ids = gpu
+            .decode_sample(
+                &mut device_states.iter_mut().collect::<Vec<_>>(),
+                &device_tokens,
+                &draws,
+            )
+            .unwrap();
+        device_tokens = [ids[0], ids[1]];
+        plain_token = gpu
+            .decode_greedy(&mut [&mut plain[0]], &[plain_token])
+            .unwrap()[0];
+        host_ids.push(host_tokens);
+        device_ids.push(device_tokens);
+        plain_ids.push(plain_token);
+    }
+    assert_eq!(device_ids, host_ids, "greedy decoding with penalties");
+    let favoured: Vec<u32> = host_ids.iter().map(|ids| ids[1]).collect();
+    assert_ne!(favoured, plain_ids, "the penalties change the ids");
+
+    // No id twice under a frequency penalty of 1,000 (outside the API's range, not the
+    // device's), one sequence alone.
+    let mut state = gpu.fork(&probe.base).unwrap();
+    gpu.load_penalty_history(&mut state, &Default::default())
+        .unwrap();
+    let mut token = probe.last;
+    let mut seen = Vec::new();
+    for _ in 0..steps {
+        let d = DeviceDraw {
+            top_k: 0,
+            penalties: Penalties {
+                frequency: 1000.0,
+                ..Penalties::NONE
+            },
+            greedy: true,
+            ..DeviceDraw::most_likely(vocab)
+        };
+        token = gpu
+            .decode_sample(&mut [&mut state], &[token], &[d])
+            .unwrap()[0];
+        assert!(!seen.contains(&token), "{token} again after {seen:?}");
+        seen.push(token);
     }
 }
 
@@ -571,6 +756,8 @@ fn mixed_steps_draw_some_rows_and_return_the_others_logits() {
         top_p: 1.0,
         min_p: 0.0,
         allowed: vocab,
+        penalties: Penalties::NONE,
+        greedy: false,
         seed: 5,
     };
     let top = DeviceDraw::most_likely(vocab);
@@ -1353,6 +1540,8 @@ fn sample_draw(seed: u64, vocab: usize) -> DeviceDraw {
         top_p: 0.95,
         min_p: 0.0,
         allowed: vocab,
+        penalties: Penalties::NONE,
+        greedy: false,
         seed,
     }
 }

@@ -18,8 +18,8 @@ pub enum LogitsFor {
     All,
 }
 
-/// One sequence's draw for a backend that samples on its own: the filters a host
-/// [`crate::engine::sampler::Sampler`] applies when no penalties are set, and this step's seed.
+/// One sequence's draw for a backend that samples on its own: the penalties and filters a host
+/// [`crate::engine::sampler::Sampler`] applies, and this step's seed.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceDraw {
     /// Above zero.
@@ -32,6 +32,13 @@ pub struct DeviceDraw {
     pub min_p: f32,
     /// Ids at or above this are never drawn (rows that pad the vocabulary).
     pub allowed: usize,
+    /// Applied to the logits first, over the history the backend holds for the sequence (see
+    /// [`Backend::load_penalty_history`]); a backend that applies them also counts each id it
+    /// chooses in that history.
+    pub penalties: Penalties,
+    /// Takes the most likely id (of the penalised logits, the lowest on ties) instead of
+    /// drawing: greedy decoding with penalties. The temperature and filters are then off.
+    pub greedy: bool,
     pub seed: u64,
 }
 
@@ -44,9 +51,44 @@ impl DeviceDraw {
             top_p: 1.0,
             min_p: 0.0,
             allowed,
+            penalties: Penalties::NONE,
+            greedy: false,
             seed: 0,
         }
     }
+}
+
+/// The penalties of [`crate::engine::sampler::SamplingParams`] on the ids a sequence has seen.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Penalties {
+    /// Positive logits of seen ids (prompt or generated) divided by it, negative ones multiplied.
+    pub repetition: f32,
+    /// Subtracted from the logit of every id generated at least once.
+    pub presence: f32,
+    /// Subtracted once per time the id was generated.
+    pub frequency: f32,
+}
+
+impl Penalties {
+    pub const NONE: Self = Self {
+        repetition: 1.0,
+        presence: 0.0,
+        frequency: 0.0,
+    };
+
+    pub fn is_none(&self) -> bool {
+        *self == Self::NONE
+    }
+}
+
+/// What the penalties of a sequence's next tokens depend on (see
+/// [`Backend::load_penalty_history`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PenaltyHistory {
+    /// Every distinct id of the prompt and of the generated tokens.
+    pub seen: Vec<u32>,
+    /// Each generated id with how many times it was generated.
+    pub generated: Vec<(u32, u32)>,
 }
 
 /// What [`Backend::decode_mixed`] chose: the drawn rows' ids, the other rows' logits.
@@ -103,6 +145,23 @@ pub trait Backend {
         _draws: &[DeviceDraw],
     ) -> Result<Vec<u32>> {
         anyhow::bail!("this backend does not draw tokens itself: sample from `decode`'s logits")
+    }
+
+    /// Whether the draws of [`Backend::decode_sample`] and [`Backend::decode_mixed`] may carry
+    /// penalties, which the backend then applies over the history it holds for each sequence.
+    fn penalises_on_device(&self) -> bool {
+        false
+    }
+
+    /// Replaces the history the backend holds for the sequence's penalised draws (see
+    /// [`Backend::penalises_on_device`]). It then counts each id its penalised draws choose,
+    /// so the history needs loading again only after an id chosen elsewhere (on the host).
+    fn load_penalty_history(
+        &self,
+        _state: &mut Self::State,
+        _history: &PenaltyHistory,
+    ) -> Result<()> {
+        anyhow::bail!("this backend does not apply penalties itself: sample from the logits")
     }
 
     /// Appends one token to each sequence; a row with a draw gets its next token drawn on the

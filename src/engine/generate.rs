@@ -188,8 +188,9 @@ pub fn generate<B: Backend>(
         Sampler::new(params.sampling.clone(), prompt).map_err(|e| anyhow::anyhow!("{e}"))?;
     // Plain greedy decoding can pick on the device; anything else needs the logits here.
     let device_greedy = params.sampling.is_greedy();
-    // A backend that draws tokens itself does so when no penalty needs the history.
-    let device_draws = backend.samples_on_device() && params.sampling.is_drawable_anywhere();
+    // A backend that draws tokens itself does so unless penalties need a history it cannot hold.
+    let penalises = backend.penalises_on_device();
+    let device_draws = backend.samples_on_device() && params.sampling.is_drawable_on(penalises);
     let allowed = tokenizer.map_or(backend.config().vocab_size, Tokenizer::vocab_size);
     let mut output = Output::new(params, tokenizer);
     let mut state = backend.new_state()?;
@@ -213,10 +214,13 @@ pub fn generate<B: Backend>(
     if take(id)? {
         if device_greedy {
             backend.decode_run(state, id, RunChoice::Greedy, &mut take)?;
-        } else if let Some(mut next) = device_draws
-            .then(|| sampler.device_draws(allowed))
-            .flatten()
-        {
+        } else if device_draws {
+            if sampler.penalises() {
+                backend.load_penalty_history(&mut state, &sampler.penalty_history())?;
+            }
+            let mut next = sampler
+                .device_draws(allowed, penalises)
+                .context("the sampling settings changed during generation")?;
             backend.decode_run(state, id, RunChoice::Drawn(&mut next), &mut take)?;
         } else {
             loop {

@@ -7,7 +7,7 @@ use rand_chacha::ChaCha20Rng;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use serde::Deserialize;
 
-use crate::backend::DeviceDraw;
+use crate::backend::{DeviceDraw, Penalties, PenaltyHistory};
 
 /// Temperatures below this decode greedily, as in vLLM: dividing logits by a vanishing temperature
 /// overflows f32 to infinity (NaN after the softmax), and long before that the draw is the argmax
@@ -80,6 +80,26 @@ impl SamplingParams {
             && self.repetition_penalty == 1.0
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
+    }
+
+    /// Whether a backend that draws tokens itself can make this draw: one that needs no history
+    /// ([`SamplingParams::is_drawable_anywhere`]), or a penalised one (greedy or not) where the
+    /// backend applies penalties itself (`backend_penalises`).
+    pub fn is_drawable_on(&self, backend_penalises: bool) -> bool {
+        self.is_drawable_anywhere() || (backend_penalises && self.penalises())
+    }
+
+    /// Whether any penalty is on.
+    pub fn penalises(&self) -> bool {
+        !self.penalties().is_none()
+    }
+
+    pub fn penalties(&self) -> Penalties {
+        Penalties {
+            repetition: self.repetition_penalty,
+            presence: self.presence_penalty,
+            frequency: self.frequency_penalty,
+        }
     }
 
     /// Whether the choice is always the plain argmax of the logits (no temperature, no
@@ -210,29 +230,61 @@ impl Sampler {
 
     /// This step's draw for a backend that samples on its own (ids from `allowed` up excluded),
     /// with a seed from this sampler's generator; `None` when the choice needs the host: greedy
-    /// decoding (the backend's argmax does that) or penalties, which depend on the history.
-    /// Record the token the backend chose with [`Sampler::record`].
-    pub fn device_draw(&mut self, allowed: usize) -> Option<DeviceDraw> {
+    /// decoding without penalties (the backend's argmax does that), or penalties where the
+    /// backend does not apply them (`backend_penalises`, see
+    /// [`SamplingParams::is_drawable_on`]). Record the token the backend chose with
+    /// [`Sampler::record`]; a penalised draw also needs the backend to hold this sampler's
+    /// [`Sampler::penalty_history`].
+    pub fn device_draw(&mut self, allowed: usize, backend_penalises: bool) -> Option<DeviceDraw> {
         self.params
-            .is_drawable_anywhere()
+            .is_drawable_on(backend_penalises)
             .then(|| self.next_draw(allowed))
     }
 
     /// [`Sampler::device_draw`] for every step of a run: `None` when the choice needs the host.
-    /// The drawn ids need no [`Sampler::record`]: the draws take no penalties.
-    pub fn device_draws(&mut self, allowed: usize) -> Option<impl FnMut() -> DeviceDraw + '_> {
-        let drawable = self.params.is_drawable_anywhere();
+    /// The drawn ids need no [`Sampler::record`]: penalised draws count them in the history the
+    /// backend holds, loaded from [`Sampler::penalty_history`] before the run.
+    pub fn device_draws(
+        &mut self,
+        allowed: usize,
+        backend_penalises: bool,
+    ) -> Option<impl FnMut() -> DeviceDraw + '_> {
+        let drawable = self.params.is_drawable_on(backend_penalises);
         drawable.then_some(move || self.next_draw(allowed))
     }
 
+    /// Whether this sampler's choices depend on the history (any penalty on).
+    pub fn penalises(&self) -> bool {
+        self.params.penalises()
+    }
+
+    /// The ids seen so far and the generated counts, in id order, for a backend that applies
+    /// the penalties itself.
+    pub fn penalty_history(&self) -> PenaltyHistory {
+        let mut seen: Vec<u32> = self.seen.iter().copied().collect();
+        seen.sort_unstable();
+        let mut generated: Vec<(u32, u32)> = self
+            .generated_counts
+            .iter()
+            .map(|(&id, &count)| (id, count))
+            .collect();
+        generated.sort_unstable();
+        PenaltyHistory { seen, generated }
+    }
+
+    /// A draw with these settings; greedy decoding (with penalties, or the draw would not be
+    /// made elsewhere) takes the most likely id, every filter off.
     fn next_draw(&mut self, allowed: usize) -> DeviceDraw {
         let p = &self.params;
+        let greedy = p.temperature < MIN_SAMPLING_TEMPERATURE;
         DeviceDraw {
-            temperature: p.temperature,
-            top_k: p.top_k,
-            top_p: p.top_p,
-            min_p: p.min_p,
+            temperature: if greedy { 1.0 } else { p.temperature },
+            top_k: if greedy { 0 } else { p.top_k },
+            top_p: if greedy { 1.0 } else { p.top_p },
+            min_p: if greedy { 0.0 } else { p.min_p },
             allowed,
+            penalties: p.penalties(),
+            greedy,
             seed: self.rng.next_u64(),
         }
     }
@@ -540,12 +592,14 @@ mod tests {
         };
         let draws = |params: &SamplingParams| -> Vec<DeviceDraw> {
             let mut sampler = Sampler::new(params.clone(), &[1, 2]).unwrap();
-            (0..4).map(|_| sampler.device_draw(100).unwrap()).collect()
+            (0..4)
+                .map(|_| sampler.device_draw(100, false).unwrap())
+                .collect()
         };
         let first = draws(&params);
         assert_eq!(first, draws(&params), "same seed, same draws");
         let mut sampler = Sampler::new(params.clone(), &[1, 2]).unwrap();
-        let mut next = sampler.device_draws(100).unwrap();
+        let mut next = sampler.device_draws(100, false).unwrap();
         let run: Vec<DeviceDraw> = (0..4).map(|_| next()).collect();
         assert_eq!(first, run, "a run's draws are the steps' draws");
         let d = first[0];
@@ -553,6 +607,7 @@ mod tests {
             (d.temperature, d.top_k, d.top_p, d.min_p, d.allowed),
             (0.8, 40, 0.9, 0.05, 100)
         );
+        assert_eq!((d.penalties, d.greedy), (Penalties::NONE, false));
         assert!(first.windows(2).all(|w| w[0].seed != w[1].seed));
         let other = draws(&SamplingParams {
             seed: Some(8),
@@ -563,8 +618,7 @@ mod tests {
 
     #[test]
     fn greedy_or_penalised_sampling_is_not_drawn_elsewhere() {
-        for params in [
-            seeded(0.0),
+        let penalised = [
             SamplingParams {
                 repetition_penalty: 1.1,
                 ..seeded(1.0)
@@ -577,13 +631,58 @@ mod tests {
                 frequency_penalty: 0.5,
                 ..seeded(1.0)
             },
-        ] {
+        ];
+        for params in penalised.iter().cloned().chain([seeded(0.0)]) {
             assert!(!params.is_drawable_anywhere(), "{params:?}");
             let mut sampler = Sampler::new(params, &[]).unwrap();
-            assert_eq!(sampler.device_draw(10), None);
-            assert!(sampler.device_draws(10).is_none());
+            assert_eq!(sampler.device_draw(10, false), None);
+            assert!(sampler.device_draws(10, false).is_none());
         }
         assert!(seeded(1.0).is_drawable_anywhere());
+        // Where the backend applies penalties, penalised draws are its too; plain greedy
+        // decoding stays with its argmax.
+        for params in penalised {
+            let mut sampler = Sampler::new(params.clone(), &[]).unwrap();
+            let d = sampler.device_draw(10, true).unwrap();
+            assert_eq!(d.penalties, params.penalties());
+            assert!(!d.greedy);
+        }
+        let mut sampler = Sampler::new(seeded(0.0), &[]).unwrap();
+        assert_eq!(sampler.device_draw(10, true), None);
+    }
+
+    #[test]
+    fn penalised_greedy_decoding_is_a_greedy_draw_without_filters() {
+        let params = SamplingParams {
+            top_k: 5,
+            top_p: 0.5,
+            min_p: 0.1,
+            presence_penalty: 1.5,
+            ..seeded(0.0)
+        };
+        let mut sampler = Sampler::new(params, &[3]).unwrap();
+        let d = sampler.device_draw(10, true).unwrap();
+        assert!(d.greedy);
+        assert_eq!(
+            (d.temperature, d.top_k, d.top_p, d.min_p),
+            (1.0, 0, 1.0, 0.0)
+        );
+        assert_eq!(d.penalties.presence, 1.5);
+    }
+
+    #[test]
+    fn the_penalty_history_holds_the_prompt_and_the_generated_counts() {
+        let params = SamplingParams {
+            presence_penalty: 1.0,
+            ..seeded(1.0)
+        };
+        let mut sampler = Sampler::new(params, &[9, 4, 9, 2]).unwrap();
+        for id in [4, 7, 4, 4] {
+            sampler.record(id);
+        }
+        let history = sampler.penalty_history();
+        assert_eq!(history.seen, [2, 4, 7, 9]);
+        assert_eq!(history.generated, [(4, 3), (7, 1)]);
     }
 
     #[test]

@@ -400,9 +400,12 @@ struct Sequence<'t, S> {
     constraint: Option<Constraint>,
     /// Plain argmax with nothing reported: the backend may pick the token itself.
     device_greedy: bool,
-    /// A draw without penalties, bias or reported logprobs: a backend that samples on its own
-    /// may draw the token itself.
+    /// A draw without bias or reported logprobs, and without penalties unless the backend
+    /// applies them: a backend that samples on its own may draw the token itself.
     device_sampled: bool,
+    /// The backend holds the sampler's penalty history for penalised draws: false until it is
+    /// loaded, and again after each token the host chose.
+    history_on_backend: bool,
     submitted: Instant,
     first_token_sent: bool,
     done: bool,
@@ -535,7 +538,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             && request.constraint.is_none();
         let device_greedy = request.params.sampling.is_greedy() && reports_nothing;
         let device_sampled = self.backend.samples_on_device()
-            && request.params.sampling.is_drawable_anywhere()
+            && (request.params.sampling).is_drawable_on(self.backend.penalises_on_device())
             && reports_nothing;
         let mut cache_points: Vec<usize> = request
             .cache_points
@@ -561,6 +564,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
             constraint: request.constraint,
             device_greedy,
             device_sampled,
+            history_on_backend: false,
             submitted,
             first_token_sent: false,
             done: false,
@@ -645,11 +649,23 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
     /// One batched decode step for every sequence past its prompt.
     fn decode_step(&mut self) {
         let metrics = self.metrics();
+        let penalises = self.backend.penalises_on_device();
         let mut batch: Vec<&mut Sequence<'a, B::State>> = self
             .running
             .iter_mut()
             .filter(|s| !s.done && s.next_token.is_some())
             .collect();
+        for s in batch.iter_mut() {
+            let drawn_here = s.device_sampled && !s.holds_back_eos();
+            if drawn_here && s.sampler.penalises() && !s.history_on_backend {
+                let history = s.sampler.penalty_history();
+                match self.backend.load_penalty_history(&mut s.state, &history) {
+                    Ok(()) => s.history_on_backend = true,
+                    Err(e) => fail(s, &e, metrics),
+                }
+            }
+        }
+        batch.retain(|s| !s.done);
         if batch.is_empty() {
             return;
         }
@@ -666,7 +682,7 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
                 if s.holds_back_eos() {
                     None
                 } else if s.device_sampled {
-                    s.sampler.device_draw(allowed)
+                    s.sampler.device_draw(allowed, penalises)
                 } else {
                     s.device_greedy.then(|| DeviceDraw::most_likely(allowed))
                 }
@@ -856,6 +872,8 @@ fn choose<S>(
         c.mask(logits)?;
     }
     let sampled = s.sampler.sample(logits)?;
+    // The backend's penalty history lacks this token.
+    s.history_on_backend = false;
     if let Some(c) = &mut s.constraint {
         c.advance(sampled.token_id)?;
     }
@@ -949,58 +967,122 @@ fn fail<S>(s: &mut Sequence<'_, S>, error: &anyhow::Error, metrics: &EngineMetri
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
     use std::sync::atomic::AtomicUsize;
 
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::backend::{MixedStep, argmax};
+    use crate::backend::{MixedStep, PenaltyHistory, argmax};
     use crate::engine::generate::GenerationParams;
     use crate::engine::sampler::SamplingParams;
     use crate::engine::sampler::logprob_of;
+    use crate::model::Model;
     use crate::model::demo::demo;
 
     /// The CPU backend drawing tokens itself, as the CUDA backend does (Gumbel-max at the draw's
     /// temperature, the noise a hash of the seed and the id; the top-k/p and min-p filters,
-    /// which these tests leave off, are not applied), counting the mixed steps it took.
+    /// which these tests leave off, are not applied), counting the mixed steps it took; with
+    /// `penalises`, it applies penalties over a history per sequence as the CUDA backend does.
     struct DrawingCpu {
         cpu: CpuBackend,
         mixed_steps: Arc<AtomicUsize>,
         /// `Backend::max_states`.
         states: Option<usize>,
+        /// `Backend::penalises_on_device`.
+        penalises: bool,
+        /// Calls of `Backend::load_penalty_history`.
+        history_loads: Arc<AtomicUsize>,
     }
 
-    fn draw(logits: &[f32], d: &DeviceDraw) -> u32 {
-        let logits = &logits[..d.allowed];
-        if d.top_k == 1 {
-            return argmax(logits);
+    impl DrawingCpu {
+        fn new(model: Arc<Model>) -> Self {
+            Self {
+                cpu: CpuBackend::new(model),
+                mixed_steps: Arc::new(AtomicUsize::new(0)),
+                states: None,
+                penalises: false,
+                history_loads: Arc::new(AtomicUsize::new(0)),
+            }
         }
-        let noisy: Vec<f32> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                let mut h = d.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                h = (h ^ (h >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                h ^= h >> 29;
-                let u = ((h >> 40) as f32 + 0.5) / (1u64 << 24) as f32;
-                l / d.temperature - (-u.ln()).ln()
-            })
-            .collect();
-        argmax(&noisy)
+
+        fn cpu_states<'s>(states: &'s mut [&mut DrawingState]) -> Vec<&'s mut CpuState> {
+            states.iter_mut().map(|s| &mut s.cpu).collect()
+        }
+    }
+
+    type CpuState = <CpuBackend as Backend>::State;
+
+    /// A [`DrawingCpu`] sequence: the CPU backend's state and the penalty history, a word per
+    /// id seen (as `Slot::history` of the CUDA backend: bit 31 once seen, the low bits the
+    /// times generated).
+    struct DrawingState {
+        cpu: CpuState,
+        history: HashMap<u32, u32>,
+    }
+
+    const SEEN: u32 = 1 << 31;
+
+    fn draw(logits: &[f32], d: &DeviceDraw, history: &mut HashMap<u32, u32>) -> u32 {
+        let mut logits = logits[..d.allowed].to_vec();
+        let p = d.penalties;
+        if !p.is_none() {
+            for (&id, &word) in history.iter() {
+                let l = &mut logits[id as usize];
+                if word & SEEN != 0 {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition
+                    } else {
+                        *l * p.repetition
+                    };
+                }
+                let generated = word & !SEEN;
+                if generated > 0 {
+                    *l -= p.presence + p.frequency * generated as f32;
+                }
+            }
+        }
+        let id = if d.top_k == 1 || d.greedy {
+            argmax(&logits)
+        } else {
+            let noisy: Vec<f32> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, l)| {
+                    let mut h = d.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    h = (h ^ (h >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                    h ^= h >> 29;
+                    let u = ((h >> 40) as f32 + 0.5) / (1u64 << 24) as f32;
+                    l / d.temperature - (-u.ln()).ln()
+                })
+                .collect();
+            argmax(&noisy)
+        };
+        if !p.is_none() {
+            let word = history.entry(id).or_insert(0);
+            *word = (*word + 1) | SEEN;
+        }
+        id
     }
 
     impl Backend for DrawingCpu {
-        type State = <CpuBackend as Backend>::State;
+        type State = DrawingState;
 
         fn config(&self) -> &crate::config::ModelConfig {
             self.cpu.config()
         }
 
         fn new_state(&self) -> Result<Self::State> {
-            self.cpu.new_state()
+            Ok(DrawingState {
+                cpu: self.cpu.new_state()?,
+                history: HashMap::new(),
+            })
         }
 
         fn fork(&self, state: &Self::State) -> Result<Self::State> {
-            self.cpu.fork(state)
+            Ok(DrawingState {
+                cpu: self.cpu.fork(&state.cpu)?,
+                history: state.history.clone(),
+            })
         }
 
         fn prefill(
@@ -1009,11 +1091,11 @@ mod tests {
             tokens: &[u32],
             which: LogitsFor,
         ) -> Result<Vec<f32>> {
-            self.cpu.prefill(state, tokens, which)
+            self.cpu.prefill(&mut state.cpu, tokens, which)
         }
 
         fn decode(&self, states: &mut [&mut Self::State], tokens: &[u32]) -> Result<Vec<f32>> {
-            self.cpu.decode(states, tokens)
+            self.cpu.decode(&mut Self::cpu_states(states), tokens)
         }
 
         fn max_states(&self) -> Option<usize> {
@@ -1024,15 +1106,37 @@ mod tests {
             true
         }
 
+        fn penalises_on_device(&self) -> bool {
+            self.penalises
+        }
+
+        fn load_penalty_history(
+            &self,
+            state: &mut Self::State,
+            history: &PenaltyHistory,
+        ) -> Result<()> {
+            anyhow::ensure!(self.penalises, "no penalties here");
+            self.history_loads.fetch_add(1, Ordering::Relaxed);
+            state.history = history.seen.iter().map(|&id| (id, SEEN)).collect();
+            for &(id, count) in &history.generated {
+                state.history.insert(id, SEEN | count);
+            }
+            Ok(())
+        }
+
         fn decode_sample(
             &self,
             states: &mut [&mut Self::State],
             tokens: &[u32],
             draws: &[DeviceDraw],
         ) -> Result<Vec<u32>> {
-            let logits = self.cpu.decode(states, tokens)?;
+            let logits = self.cpu.decode(&mut Self::cpu_states(states), tokens)?;
             let rows = logits.chunks_exact(self.config().vocab_size);
-            Ok(rows.zip(draws).map(|(row, d)| draw(row, d)).collect())
+            Ok(rows
+                .zip(draws)
+                .zip(states.iter_mut())
+                .map(|((row, d), s)| draw(row, d, &mut s.history))
+                .collect())
         }
 
         fn decode_mixed(
@@ -1042,13 +1146,15 @@ mod tests {
             draws: &[Option<DeviceDraw>],
         ) -> Result<MixedStep> {
             self.mixed_steps.fetch_add(1, Ordering::Relaxed);
-            let all = self.cpu.decode(states, tokens)?;
+            let all = self.cpu.decode(&mut Self::cpu_states(states), tokens)?;
             let mut step = MixedStep {
                 drawn: Vec::new(),
                 logits: Vec::new(),
             };
-            for (row, d) in all.chunks_exact(self.config().vocab_size).zip(draws) {
-                step.drawn.push(d.as_ref().map(|d| draw(row, d)));
+            let rows = all.chunks_exact(self.config().vocab_size);
+            for ((row, d), s) in rows.zip(draws).zip(states.iter_mut()) {
+                step.drawn
+                    .push(d.as_ref().map(|d| draw(row, d, &mut s.history)));
                 if d.is_none() {
                     step.logits.extend_from_slice(row);
                 }
@@ -1117,9 +1223,8 @@ mod tests {
         let engine = Engine::start(
             move || {
                 Ok(DrawingCpu {
-                    cpu: CpuBackend::new(model),
                     mixed_steps: counter,
-                    states: None,
+                    ..DrawingCpu::new(model)
                 })
             },
             None,
@@ -1217,6 +1322,70 @@ mod tests {
         engine.join();
     }
 
+    /// Penalised requests on a backend that applies the penalties itself are drawn there, and
+    /// (greedy, so the choice is exact) give the replies of the host's sampler: the backend
+    /// holds the prompt and every token chosen before its first draw, those the host chose
+    /// while `min_tokens` held the end back among them, and counts its own choices.
+    #[test]
+    fn penalised_draws_on_the_backend_give_the_hosts_replies() {
+        let model = Arc::new(demo().unwrap().model);
+        let loads = Arc::new(AtomicUsize::new(0));
+        let start = |penalises: bool| {
+            let (model, loads) = (model.clone(), loads.clone());
+            Engine::start(
+                move || {
+                    Ok(DrawingCpu {
+                        penalises,
+                        history_loads: loads,
+                        ..DrawingCpu::new(model)
+                    })
+                },
+                None,
+                EngineOptions {
+                    max_batch: 4,
+                    max_queue: 8,
+                    prefill_chunk: 512,
+                    prefix_cache: 0,
+                },
+            )
+            .unwrap()
+        };
+        let penalised = |prompt: Vec<u32>, min_tokens: usize| {
+            let mut r = request(prompt, 0.0, None);
+            // Seen ids favoured (generated ones until they repeat a few times): the demo
+            // model's greedy replies do not repeat an id on their own.
+            r.params.sampling.repetition_penalty = 0.2;
+            r.params.sampling.presence_penalty = -2.0;
+            r.params.sampling.frequency_penalty = 0.7;
+            r.params.min_tokens = min_tokens;
+            r
+        };
+        let requests = [
+            penalised(vec![72, 101, 108, 108, 111], 0),
+            penalised(vec![87, 111, 114, 108, 100, 33], 4),
+        ];
+        let host = start(false);
+        let expected = replies(&host, &requests);
+        let plain = replies(&host, &[request(requests[0].prompt.clone(), 0.0, None)]);
+        host.join();
+        assert_eq!(loads.load(Ordering::Relaxed), 0);
+        assert_ne!(expected[0], plain[0], "the penalties change the reply");
+
+        let backend = start(true);
+        let alone: Vec<_> = requests
+            .iter()
+            .map(|r| replies(&backend, std::slice::from_ref(r)).remove(0))
+            .collect();
+        assert_eq!(alone, expected);
+        assert_eq!(
+            loads.load(Ordering::Relaxed),
+            2,
+            "a history load per request"
+        );
+        assert_eq!(replies(&backend, &requests), expected);
+        backend.join();
+    }
+
     #[test]
     fn the_cache_keeps_what_the_backends_pool_has_room_for() {
         assert_eq!(cache_capacity(32, 8, None), 8);
@@ -1236,9 +1405,8 @@ mod tests {
         let engine = Engine::start(
             move || {
                 Ok(DrawingCpu {
-                    cpu: CpuBackend::new(model),
-                    mixed_steps: Arc::new(AtomicUsize::new(0)),
                     states: Some(2),
+                    ..DrawingCpu::new(model)
                 })
             },
             None,

@@ -215,12 +215,15 @@ impl CudaBackend {
             StepEnd::Sampled => {
                 let (desc, desc_of) =
                     seqs.buffer(|slot| ptr(&slot.sampling, s), |_| BatchTables::SAMPLING, s);
+                let (history, history_of) =
+                    seqs.buffer(|slot| ptr(&slot.history, s), |_| BatchTables::HISTORY, s);
                 let (slice, blocks) =
                     sample_slices(c.vocab_size).context("vocabulary too large to sample")?;
                 let parts = sc.sample_parts(s);
                 let slice_arg = slice as i32;
                 // SAFETY: `blocks` blocks of at most `slice` logits (as many 4-byte keys of shared
-                // memory) per row, within the SAMPLE_MAX_BLOCKS entries per row of the parts.
+                // memory) per row, within the SAMPLE_MAX_BLOCKS entries per row of the parts; a
+                // slot's history holds a word per id of the vocabulary.
                 unsafe {
                     self.launch(
                         "sample_scan",
@@ -237,12 +240,15 @@ impl CudaBackend {
                             arg(&slice_arg),
                             arg(&desc),
                             arg(&desc_of),
+                            arg(&history),
+                            arg(&history_of),
                             arg(&parts),
                         ],
                     )
                 }?;
                 let blocks_arg = blocks as i32;
-                // SAFETY: one block over each row's partials; desc is the slot's settings.
+                // SAFETY: one block over each row's partials; desc is the slot's settings, the
+                // history a word per id of the vocabulary.
                 unsafe {
                     self.launch(
                         "sample_finish",
@@ -259,6 +265,8 @@ impl CudaBackend {
                             arg(&desc_of),
                             arg(&token_of),
                             arg(&position_of),
+                            arg(&history),
+                            arg(&history_of),
                             arg(&chosen),
                             arg(&parts),
                         ],

@@ -50,7 +50,7 @@ pub use self::sequences::CudaState;
 use self::sequences::{BatchSteps, BatchTables, Slot, StepEnd};
 use self::shapes::*;
 use self::weights::{DeviceModel, ScaleFormat, WeightFormat, ptr};
-use super::{Backend, DeviceDraw, LogitsFor, MixedStep};
+use super::{Backend, DeviceDraw, LogitsFor, MixedStep, PenaltyHistory};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
 
@@ -1119,6 +1119,14 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn penalises_on_device(&self) -> bool {
+        true
+    }
+
+    fn load_penalty_history(&self, state: &mut CudaState, history: &PenaltyHistory) -> Result<()> {
+        self.load_history(state, history)
+    }
+
     /// Sampled decode with the draw on the device (`sample_scan`, `sample_finish` in
     /// sample.cu): only the chosen ids come back.
     fn decode_sample(
@@ -1211,6 +1219,7 @@ impl Backend for CudaBackend {
         for r in &mut sl.recurrent {
             self.stream.memset_zeros(r)?;
         }
+        self.stream.memset_zeros(&mut sl.history)?;
         Ok(CudaState {
             slot,
             position: 0,
@@ -1236,6 +1245,7 @@ impl Backend for CudaBackend {
         for (a, b) in src.recurrent.iter().zip(dst.recurrent.iter_mut()) {
             s.memcpy_dtod(a, b)?;
         }
+        s.memcpy_dtod(&src.history, &mut dst.history)?;
         drop(slots);
         fork.position = state.position;
         fork.device_token = state.device_token;

@@ -13,7 +13,7 @@ use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DeviceRepr};
 use super::CudaBackend;
 use super::decode::StepSeqs;
 use super::weights::ptr;
-use crate::backend::DeviceDraw;
+use crate::backend::{DeviceDraw, PenaltyHistory};
 use crate::config::{LayerKind, ModelConfig};
 
 /// The per-sequence buffers of a batched decode step, for its kernels to look up (`seq_buffer`
@@ -33,7 +33,8 @@ impl BatchTables {
     pub(super) const POSITION: usize = 0;
     pub(super) const TOKEN: usize = 1;
     pub(super) const SAMPLING: usize = 2;
-    const PER_SEQUENCE: usize = 3;
+    pub(super) const HISTORY: usize = 3;
+    const PER_SEQUENCE: usize = 4;
 
     pub(super) fn new(stream: &Arc<CudaStream>, c: &ModelConfig, rows: usize) -> Result<Self> {
         let attention_layers = c
@@ -98,6 +99,7 @@ impl BatchTables {
             set(Self::POSITION, ptr(&slot.position, s));
             set(Self::TOKEN, ptr(&slot.token, s));
             set(Self::SAMPLING, ptr(&slot.sampling, s));
+            set(Self::HISTORY, ptr(&slot.history, s));
             for (i, (conv, state)) in slot.conv.iter().zip(&slot.recurrent).enumerate() {
                 set(self.conv(i), ptr(conv, s));
                 set(self.state(i), ptr(state, s));
@@ -137,6 +139,10 @@ pub(super) struct Slot {
     pub(super) recurrent: Vec<CudaSlice<f32>>,
     /// Sampling settings and seed of the next sampled step (`struct SamplingDesc` in sample.cu).
     pub(super) sampling: CudaSlice<SamplingDesc>,
+    /// The penalty history of penalised draws, a word per id of the vocabulary: HISTORY_SEEN
+    /// (bit 31) once the id was seen in the prompt or generated, the low bits the times it was
+    /// generated. Loaded by `load_penalty_history`, counted on by `sample_finish`.
+    pub(super) history: CudaSlice<u32>,
     greedy_graph: Option<Graph>,
     sampled_graph: Option<Graph>,
     logits_graph: Option<Graph>,
@@ -153,6 +159,9 @@ pub(super) enum StepEnd {
     Logits,
 }
 
+/// HISTORY_SEEN in sample.cu: the bit of a history word set once its id was seen.
+const HISTORY_SEEN: u32 = 1 << 31;
+
 /// `struct SamplingDesc` in sample.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -162,6 +171,10 @@ pub(super) struct SamplingDesc {
     top_p: f32,
     min_p: f32,
     allowed: i32,
+    repetition: f32,
+    presence: f32,
+    frequency: f32,
+    greedy: i32,
     seed: u64,
 }
 
@@ -174,6 +187,7 @@ impl Slot {
         self.position.num_bytes()
             + self.token.num_bytes()
             + self.sampling.num_bytes()
+            + self.history.num_bytes()
             + self
                 .kv
                 .iter()
@@ -242,6 +256,7 @@ pub(super) fn slot_bytes(c: &ModelConfig, max_context: usize) -> usize {
         + layers(LayerKind::LinearAttention) * (lengths.conv + lengths.recurrent) * size_of::<f32>()
         + 2 * size_of::<i32>()
         + size_of::<SamplingDesc>()
+        + c.vocab_size * size_of::<u32>()
 }
 
 impl CudaBackend {
@@ -258,6 +273,7 @@ impl CudaBackend {
             conv: Vec::new(),
             recurrent: Vec::new(),
             sampling: stream.clone_htod(&[SamplingDesc::default()])?,
+            history: stream.alloc_zeros::<u32>(c.vocab_size)?,
             greedy_graph: None,
             sampled_graph: None,
             logits_graph: None,
@@ -405,17 +421,55 @@ impl CudaBackend {
             "device sampling needs a positive temperature, not {}",
             draw.temperature
         );
+        let p = &draw.penalties;
+        ensure!(
+            p.repetition.is_finite()
+                && p.repetition > 0.0
+                && p.presence.is_finite()
+                && p.frequency.is_finite(),
+            "device sampling needs finite penalties and a positive repetition penalty, not {p:?}"
+        );
         let desc = SamplingDesc {
             temperature: draw.temperature,
             top_k: i32::try_from(draw.top_k).unwrap_or(0),
             top_p: draw.top_p,
             min_p: draw.min_p,
             allowed: i32::try_from(draw.allowed.min(self.config.vocab_size)).unwrap_or(i32::MAX),
+            repetition: p.repetition,
+            presence: p.presence,
+            frequency: p.frequency,
+            greedy: i32::from(draw.greedy),
             seed: draw.seed,
         };
         let mut slots = self.lock_slots()?;
         self.stream
             .memcpy_htod(&[desc], &mut slots[state.slot].sampling)?;
+        Ok(())
+    }
+
+    /// Replaces the slot's penalty history (see `Slot::history`); queued, so behind the steps
+    /// before.
+    pub(super) fn load_history(&self, state: &CudaState, history: &PenaltyHistory) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        let mut words = vec![0u32; vocab];
+        let ids = history
+            .seen
+            .iter()
+            .chain(history.generated.iter().map(|(id, _)| id));
+        if let Some(bad) = ids.copied().find(|&id| id as usize >= vocab) {
+            anyhow::bail!(
+                "penalty history: token id {bad} is outside the vocabulary (size {vocab})"
+            );
+        }
+        for &id in &history.seen {
+            words[id as usize] |= HISTORY_SEEN;
+        }
+        for &(id, count) in &history.generated {
+            words[id as usize] = HISTORY_SEEN | count.min(!HISTORY_SEEN);
+        }
+        let mut slots = self.lock_slots()?;
+        self.stream
+            .memcpy_htod(&words, &mut slots[state.slot].history)?;
         Ok(())
     }
 
@@ -454,7 +508,7 @@ mod tests {
         // 4-tap ring of 8,192 channels and 32 states of 128 x 128, f32.
         let kv = 10 * 2 * 32768 * 2 * 256 * 2;
         let deltanet = 30 * (4 * 8192 + 32 * 128 * 128) * 4;
-        let small = 2 * 4 + size_of::<SamplingDesc>();
+        let small = 2 * 4 + size_of::<SamplingDesc>() + 248_320 * 4;
         assert_eq!(slot_bytes(&c, 32768), kv + deltanet + small);
         assert_eq!(kv + deltanet, 737_935_360);
     }

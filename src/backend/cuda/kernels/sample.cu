@@ -77,8 +77,9 @@ extern "C" __global__ void advance_position(int* position, int by, const unsigne
     position[0] += by;
 }
 
-// Sampling on the device: temperature, top-k, top-p and min-p filters, then one draw, so that
-// only the chosen id crosses to the host. The draw is the Gumbel-max trick (the argmax of
+// Sampling on the device: repetition, presence and frequency penalties over the sequence's
+// history, temperature, top-k, top-p and min-p filters, then one draw, so that only the chosen
+// id crosses to the host. The draw is the Gumbel-max trick (the argmax of
 // logit / T + Gumbel noise is a draw from the softmax) and the noise is a hash of (seed, token
 // id), so the same seed gives the same token. The filters keep the tokens whose logit's order
 // key reaches a threshold (found by searches over the keys' bits, see below), with probability
@@ -117,8 +118,30 @@ struct SamplingDesc {
     float top_p;        // 1: off
     float min_p;        // 0: off
     int allowed;        // ids from here up (vocabulary padding) are never drawn
+    float repetition;   // penalties over the slot's history (see penalised): 1, 0, 0 = off
+    float presence;
+    float frequency;
+    int greedy;         // 1: the most likely id of the penalised logits, no noise (filters off)
     unsigned long long seed;
 };
+
+// A slot's penalty history holds a word per id: this bit once the id was seen (in the prompt or
+// generated), the low bits the times it was generated. Loaded from the host sampler's history
+// before a sequence's first penalised draw; sample_finish counts each id it chooses.
+#define HISTORY_SEEN 0x80000000u
+
+__device__ __forceinline__ bool penalises(const SamplingDesc& d) {
+    return d.repetition != 1.0f || d.presence != 0.0f || d.frequency != 0.0f;
+}
+
+// A logit with the penalties of its id's history word, as the host sampler applies them (the
+// repetition penalty, then presence and frequency) with the same roundings: no operation fused.
+__device__ __forceinline__ float penalised(float l, uint32_t word, const SamplingDesc& d) {
+    if (word & HISTORY_SEEN) l = l > 0.0f ? __fdiv_rn(l, d.repetition) : __fmul_rn(l, d.repetition);
+    const uint32_t generated = word & ~HISTORY_SEEN;
+    if (generated != 0) l = __fsub_rn(l, __fadd_rn(d.presence, __fmul_rn(d.frequency, (float)generated)));
+    return l;
+}
 
 // What sample_scan leaves for sample_finish: entry row * blocks + b per scan block b of a row
 // (SAMPLE_CANDIDATES entries each for the candidates).
@@ -536,12 +559,16 @@ __device__ uint32_t row_thresholds(const float* logits, int n, const SamplingDes
 }
 
 // Pass 1 of a draw (see above): block b of row blockIdx.y takes its slice of the logits (at most
-// `slice` of them, see slice_token) and leaves the slice's own draw (its largest l / T + noise); filtered draws also its
-// candidates, largest logit, cut and the mass left out. Dynamic shared memory: slice keys (4
+// `slice` of them, see slice_token) and leaves the slice's own draw (its largest l / T + noise,
+// or l for greedy draws); filtered draws also its candidates, largest logit, cut and the mass
+// left out. Penalised draws first apply the slot's history to the slice and write the penalised
+// logits back, for sample_finish's passes over the row. Dynamic shared memory: slice keys (4
 // bytes each).
-extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(const float* logits, int n, int slice,
+extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(float* logits, int n, int slice,
                                                                             const SamplingDesc* desc,
                                                                             const unsigned long long* desc_of,
+                                                                            const uint32_t* history,
+                                                                            const unsigned long long* history_of,
                                                                             SampleParts parts) {
     TRACE_BLOCK();
     extern __shared__ __align__(16) uint32_t keys[];
@@ -557,6 +584,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
     const int len = min(slice_len(blockIdx.x, gridDim.x, n), slice);
     const float inv_t = 1.0f / d.temperature;
     const bool filtered = draw_is_filtered(d, n);
+    const bool penalised_draw = penalises(d);
+    history = seq_buffer(history, history_of, row);
     // Keys (filtered draws), 0 for logits that are never drawn (not finite).
     float top = -INFINITY, best = -INFINITY;
     int best_id = 0x7fffffff;
@@ -565,20 +594,27 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(co
     // thread, each an L2 round trip.
     for (int j0 = threadIdx.x; j0 < len; j0 += SAMPLE_SCAN_LOADS * blockDim.x) {
         float ls[SAMPLE_SCAN_LOADS];
+        uint32_t words[SAMPLE_SCAN_LOADS];
 #pragma unroll
         for (int u = 0; u < SAMPLE_SCAN_LOADS; ++u) {
             const int j = j0 + u * blockDim.x;
-            ls[u] = j < len ? logits[slice_token(blockIdx.x, j, gridDim.x)] : -INFINITY;
+            const int id = slice_token(blockIdx.x, j, gridDim.x);
+            ls[u] = j < len ? logits[id] : -INFINITY;
+            words[u] = penalised_draw && j < len ? history[id] : 0u;
         }
 #pragma unroll
         for (int u = 0; u < SAMPLE_SCAN_LOADS; ++u) {
             const int j = j0 + u * blockDim.x;
             if (j >= len) break;
             const int id = slice_token(blockIdx.x, j, gridDim.x);
-            const float l = ls[u];
+            float l = ls[u];
+            if (words[u] != 0) {
+                l = penalised(l, words[u], d);
+                logits[id] = l;
+            }
             if (filtered) keys[j] = isfinite(l) ? order_key(l) : 0u;
             if (isfinite(l)) {
-                better(best, best_id, l * inv_t + gumbel(d.seed, id), id);
+                better(best, best_id, d.greedy ? l : l * inv_t + gumbel(d.seed, id), id);
                 top = fmaxf(top, l);
                 ++count;
             }
@@ -719,15 +755,18 @@ __device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d,
 
 // Pass 2 of a draw: the next token from sample_scan's `blocks` partials (of `slice` logits each)
 // of row blockIdx.y, with the slot's sampling settings; it becomes the next input token (also
-// written to chosen[row] when `chosen` is non-null) and the position advances. One block of
-// SAMPLE_THREADS threads per row; batched, the row's sequence's settings, token and position
-// come from the tables (see seq_buffer).
+// written to chosen[row] when `chosen` is non-null), the position advances, and a penalised
+// draw counts it in the slot's history. One block of SAMPLE_THREADS threads per row; batched,
+// the row's sequence's settings, token, position and history come from the tables (see
+// seq_buffer).
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_finish(const float* logits, int n, int blocks,
                                                                           int slice, const SamplingDesc* desc, int* token,
                                                                           int* position,
                                                                           const unsigned long long* desc_of,
                                                                           const unsigned long long* token_of,
                                                                           const unsigned long long* position_of,
+                                                                          uint32_t* history,
+                                                                          const unsigned long long* history_of,
                                                                           int* chosen, SampleParts parts) {
     TRACE_BLOCK();
     __shared__ float vals[32];
@@ -754,5 +793,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_finish(const
         token[0] = id;
         position[0] += 1;
         if (chosen != nullptr) chosen[row] = id;
+        // The settings read again rather than kept live across the draw (register pressure).
+        if (penalises(*seq_buffer(desc, desc_of, row))) {
+            history = seq_buffer(history, history_of, row);
+            history[id] = (history[id] + 1u) | HISTORY_SEEN;
+        }
     }
 }
