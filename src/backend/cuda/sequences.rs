@@ -417,7 +417,7 @@ impl CudaBackend {
     /// Sets the draw of the sequence's next sampled step (queued, so behind the steps before).
     pub(super) fn set_draw(&self, state: &CudaState, draw: &DeviceDraw) -> Result<()> {
         ensure!(
-            draw.temperature.is_finite() && draw.temperature > 0.0,
+            draw.greedy || (draw.temperature.is_finite() && draw.temperature > 0.0),
             "device sampling needs a positive temperature, not {}",
             draw.temperature
         );
@@ -429,11 +429,18 @@ impl CudaBackend {
                 && p.frequency.is_finite(),
             "device sampling needs finite penalties and a positive repetition penalty, not {p:?}"
         );
+        // A greedy draw takes the most likely id: no temperature, no filters.
+        let (temperature, top_k, top_p, min_p) = if draw.greedy {
+            (1.0, 0, 1.0, 0.0)
+        } else {
+            let top_k = i32::try_from(draw.top_k).unwrap_or(0);
+            (draw.temperature, top_k, draw.top_p, draw.min_p)
+        };
         let desc = SamplingDesc {
-            temperature: draw.temperature,
-            top_k: i32::try_from(draw.top_k).unwrap_or(0),
-            top_p: draw.top_p,
-            min_p: draw.min_p,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
             allowed: i32::try_from(draw.allowed.min(self.config.vocab_size)).unwrap_or(i32::MAX),
             repetition: p.repetition,
             presence: p.presence,
