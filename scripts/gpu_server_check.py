@@ -15,6 +15,8 @@ without it, and each server is asked:
     every step), one with `min_tokens` (to the host for its first steps, then argmax on the
     device): the same tokens (checks a sequence moving between the mixed step's host and device
     rows);
+  - greedy completions with penalties chosen on the host (logprobs), drawn on the device over the
+    slot's history, and host-then-device (`min_tokens`): the same tokens;
   - a 360-token prompt scored by `echo` with `logprobs` and `max_tokens: 0` (prefilled 256
     tokens at a time, every row's logits read back): its last token, the greedy continuation of
     the rest, must score what generating it reported within TOLERANCE;
@@ -186,6 +188,21 @@ def host_then_device(server: Server) -> list[str]:
     return [] if host == switched else [f"host-chosen {host} against host-then-device {switched}"]
 
 
+def penalised(server: Server) -> list[str]:
+    """Greedy decoding with penalties: chosen on the host (logprobs asked for), drawn on the device
+    over the history its slot holds, and host-then-device (min_tokens) give the same ids."""
+    common = {"model": "lily-demo", "prompt": "The history of", "max_tokens": 16, "temperature": 0,
+              "ignore_eos": True, "return_token_ids": True, "presence_penalty": 1.5,
+              "frequency_penalty": 0.5, "repetition_penalty": 1.2}
+    bodies = [{**common, "logprobs": 1}, common, {**common, "min_tokens": 5}]
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda b: server.post("/v1/completions", b), bodies))
+    host, device, switched = (r["choices"][0]["token_ids"] for r in replies)
+    if host == device == switched:
+        return []
+    return [f"penalised: host-chosen {host}, drawn on the device {device}, host then device {switched}"]
+
+
 def scored_prompt(server: Server) -> list[str]:
     context = "The quick brown fox jumps over the lazy dog; " * 8
     common = {"model": "lily-demo", "temperature": 0, "logprobs": 1, "logit_bias": NO_EOS}
@@ -220,7 +237,7 @@ def check(lily: str, device: str) -> list[str]:
             print(f"{name} turn: greedy replies {'equal' if same else 'differ (near-tie rounding?)'}")
         for server in (cached, uncached):
             problems += structured(server) + forced_call(server) + responses_api(server)
-            problems += host_then_device(server) + scored_prompt(server)
+            problems += host_then_device(server) + penalised(server) + scored_prompt(server)
             with ThreadPoolExecutor(8) as pool:
                 jobs = [pool.submit(job, server) for job in (structured, forced_call, responses_api, streamed) * 2]
                 for job in jobs:
