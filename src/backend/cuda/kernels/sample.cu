@@ -584,8 +584,27 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(fl
     const int len = min(slice_len(blockIdx.x, gridDim.x, n), slice);
     const float inv_t = 1.0f / d.temperature;
     const bool filtered = draw_is_filtered(d, n);
-    const bool penalised_draw = penalises(d);
-    history = seq_buffer(history, history_of, row);
+    if (penalises(d)) {
+        // The penalties first, written back: the pass below reads them as the logits, from the
+        // same thread (ids j = threadIdx.x mod blockDim.x of the slice in both), and
+        // sample_finish's passes over the row read them too. A pass of its own keeps the
+        // registers of the unpenalised draws' pass as they were.
+        history = seq_buffer(history, history_of, row);
+        for (int j0 = threadIdx.x; j0 < len; j0 += SAMPLE_SCAN_LOADS * blockDim.x) {
+            uint32_t words[SAMPLE_SCAN_LOADS];
+#pragma unroll
+            for (int u = 0; u < SAMPLE_SCAN_LOADS; ++u) {
+                const int j = j0 + u * blockDim.x;
+                words[u] = j < len ? history[slice_token(blockIdx.x, j, gridDim.x)] : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < SAMPLE_SCAN_LOADS; ++u) {
+                if (words[u] == 0) continue;
+                const int id = slice_token(blockIdx.x, j0 + u * blockDim.x, gridDim.x);
+                logits[id] = penalised(logits[id], words[u], d);
+            }
+        }
+    }
     // Keys (filtered draws), 0 for logits that are never drawn (not finite).
     float top = -INFINITY, best = -INFINITY;
     int best_id = 0x7fffffff;
@@ -594,24 +613,17 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_SCAN_THREADS) sample_scan(fl
     // thread, each an L2 round trip.
     for (int j0 = threadIdx.x; j0 < len; j0 += SAMPLE_SCAN_LOADS * blockDim.x) {
         float ls[SAMPLE_SCAN_LOADS];
-        uint32_t words[SAMPLE_SCAN_LOADS];
 #pragma unroll
         for (int u = 0; u < SAMPLE_SCAN_LOADS; ++u) {
             const int j = j0 + u * blockDim.x;
-            const int id = slice_token(blockIdx.x, j, gridDim.x);
-            ls[u] = j < len ? logits[id] : -INFINITY;
-            words[u] = penalised_draw && j < len ? history[id] : 0u;
+            ls[u] = j < len ? logits[slice_token(blockIdx.x, j, gridDim.x)] : -INFINITY;
         }
 #pragma unroll
         for (int u = 0; u < SAMPLE_SCAN_LOADS; ++u) {
             const int j = j0 + u * blockDim.x;
             if (j >= len) break;
             const int id = slice_token(blockIdx.x, j, gridDim.x);
-            float l = ls[u];
-            if (words[u] != 0) {
-                l = penalised(l, words[u], d);
-                logits[id] = l;
-            }
+            const float l = ls[u];
             if (filtered) keys[j] = isfinite(l) ? order_key(l) : 0u;
             if (isfinite(l)) {
                 better(best, best_id, d.greedy ? l : l * inv_t + gumbel(d.seed, id), id);
