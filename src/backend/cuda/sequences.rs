@@ -162,6 +162,26 @@ pub(super) enum StepEnd {
 /// HISTORY_SEEN in sample.cu: the bit of a history word set once its id was seen.
 const HISTORY_SEEN: u32 = 1 << 31;
 
+/// A slot's penalty history as the draw kernels read it: a word per id of a vocabulary of
+/// `vocab`, HISTORY_SEEN for every id seen, the low bits the times it was generated.
+fn history_words(history: &PenaltyHistory, vocab: usize) -> Result<Vec<u32>> {
+    let ids = history
+        .seen
+        .iter()
+        .chain(history.generated.iter().map(|(id, _)| id));
+    if let Some(bad) = ids.copied().find(|&id| id as usize >= vocab) {
+        anyhow::bail!("penalty history: token id {bad} is outside the vocabulary (size {vocab})");
+    }
+    let mut words = vec![0u32; vocab];
+    for &id in &history.seen {
+        words[id as usize] |= HISTORY_SEEN;
+    }
+    for &(id, count) in &history.generated {
+        words[id as usize] = HISTORY_SEEN | count.min(!HISTORY_SEEN);
+    }
+    Ok(words)
+}
+
 /// `struct SamplingDesc` in sample.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -457,23 +477,7 @@ impl CudaBackend {
     /// Replaces the slot's penalty history (see `Slot::history`); queued, so behind the steps
     /// before.
     pub(super) fn load_history(&self, state: &CudaState, history: &PenaltyHistory) -> Result<()> {
-        let vocab = self.config.vocab_size;
-        let mut words = vec![0u32; vocab];
-        let ids = history
-            .seen
-            .iter()
-            .chain(history.generated.iter().map(|(id, _)| id));
-        if let Some(bad) = ids.copied().find(|&id| id as usize >= vocab) {
-            anyhow::bail!(
-                "penalty history: token id {bad} is outside the vocabulary (size {vocab})"
-            );
-        }
-        for &id in &history.seen {
-            words[id as usize] |= HISTORY_SEEN;
-        }
-        for &(id, count) in &history.generated {
-            words[id as usize] = HISTORY_SEEN | count.min(!HISTORY_SEEN);
-        }
+        let words = history_words(history, self.config.vocab_size)?;
         let mut slots = self.lock_slots()?;
         self.stream
             .memcpy_htod(&words, &mut slots[state.slot].history)?;
@@ -506,6 +510,23 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn penalty_histories_become_a_word_per_id() {
+        let history = PenaltyHistory {
+            seen: vec![1, 4, 6],
+            generated: vec![(4, 3), (5, 1)],
+        };
+        let words = history_words(&history, 8).unwrap();
+        let seen = HISTORY_SEEN;
+        assert_eq!(words, [0, seen, 0, 0, seen | 3, seen | 1, seen, 0]);
+        let outside = PenaltyHistory {
+            seen: vec![2],
+            generated: vec![(8, 1)],
+        };
+        let error = history_words(&outside, 8).unwrap_err().to_string();
+        assert!(error.contains("token id 8"), "{error}");
+    }
 
     #[test]
     fn a_slot_of_the_35b_at_32k_takes_about_0_74_gb() {
