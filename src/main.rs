@@ -228,6 +228,16 @@ struct PenaltyArgs {
     frequency_penalty: f32,
 }
 
+#[cfg(feature = "cuda")]
+impl PenaltyArgs {
+    /// Whether any penalty is on.
+    fn any(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+    }
+}
+
 #[derive(Args)]
 struct ServeArgs {
     /// Checkpoint directory; without it, a small demo model with random weights is served.
@@ -528,6 +538,10 @@ fn run(cli: Cli) -> Result<()> {
             anyhow::ensure!(
                 model.is_some() || synthetic,
                 "give --model DIR or --synthetic"
+            );
+            anyhow::ensure!(
+                temperature.is_some() || !penalties.any(),
+                "the penalties are the sampled decode's: give --temperature (0 decodes greedily)"
             );
             let format = match quant {
                 Quant::Q4 => WeightFormat::Affine { bits: 4, group: 64 },
