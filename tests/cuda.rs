@@ -399,6 +399,26 @@ fn binned_distance(counts: &[usize], expected: &[f64]) -> f64 {
     distance / 2.0
 }
 
+/// How often each id came up in `draws` draws (`draw` of the seeds 0..draws), each checked to
+/// be one the filters keep (`expected` above 0).
+fn draw_counts(
+    draws: u64,
+    expected: &[f64],
+    setting: &str,
+    mut draw: impl FnMut(u64) -> usize,
+) -> Vec<usize> {
+    let mut counts = vec![0usize; expected.len()];
+    for seed in 0..draws {
+        let id = draw(seed);
+        assert!(
+            expected[id] > 0.0,
+            "{setting}: drew token {id}, which the filters drop"
+        );
+        counts[id] += 1;
+    }
+    counts
+}
+
 /// The first fixture's first prompt prefilled up to its last token on the GPU, for the draws of
 /// that token's decode step: `logits` are the step's, `sample` decodes it in a fork with a draw.
 struct DrawProbe {
@@ -457,15 +477,8 @@ fn device_draws_follow_the_filtered_distribution_and_repeat_with_their_seed() {
 
     let expected = filtered_probabilities(logits, 0.8, 50, 0.9, 0.0);
     let draws = 8000;
-    let mut counts = vec![0usize; vocab];
-    for seed in 0..draws {
-        let id = sample(draw(seed, 50));
-        assert!(
-            expected[id] > 0.0,
-            "drew token {id}, which the filters drop"
-        );
-        counts[id] += 1;
-    }
+    let setting = "temperature 0.8, top-k 50, top-p 0.9";
+    let counts = draw_counts(draws, &expected, setting, |seed| sample(draw(seed, 50)));
     let distance: f64 = counts
         .iter()
         .zip(&expected)
@@ -526,15 +539,7 @@ fn device_draws_follow_the_distribution_on_every_path() {
         let setting =
             format!("temperature {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p}");
         let draws = 6000;
-        let mut counts = vec![0usize; vocab];
-        for seed in 0..draws {
-            let id = sample(draw(seed));
-            assert!(
-                expected[id] > 0.0,
-                "{setting}: drew token {id}, which the filters drop"
-            );
-            counts[id] += 1;
-        }
+        let counts = draw_counts(draws, &expected, &setting, |seed| sample(draw(seed)));
         let kept = expected.iter().filter(|&&p| p > 0.0).count();
         let distance = binned_distance(&counts, &expected);
         println!("{setting}: {kept} tokens kept, binned distance over {draws} draws {distance:.4}");
@@ -609,15 +614,7 @@ fn device_draws_apply_the_penalties_of_the_history() {
             seed,
         };
         let draws = 4000;
-        let mut counts = vec![0usize; vocab];
-        for seed in 0..draws {
-            let id = sample(draw(seed));
-            assert!(
-                expected[id] > 0.0,
-                "{setting}: drew token {id}, which the filters drop"
-            );
-            counts[id] += 1;
-        }
+        let counts = draw_counts(draws, &expected, &setting, |seed| sample(draw(seed)));
         let binned = binned_distance(&counts, &expected);
         println!(
             "{setting}, penalised: binned distance over {draws} draws {binned:.4} (the \

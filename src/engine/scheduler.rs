@@ -1163,6 +1163,14 @@ mod tests {
         }
     }
 
+    /// The engine limits of these tests: four sequences at once, no prefix cache.
+    const TEST_OPTIONS: EngineOptions = EngineOptions {
+        max_batch: 4,
+        max_queue: 8,
+        prefill_chunk: 512,
+        prefix_cache: 0,
+    };
+
     fn request(prompt: Vec<u32>, temperature: f32, logprobs: Option<usize>) -> GenerationRequest {
         GenerationRequest {
             prompt,
@@ -1228,12 +1236,7 @@ mod tests {
                 })
             },
             None,
-            EngineOptions {
-                max_batch: 4,
-                max_queue: 8,
-                prefill_chunk: 512,
-                prefix_cache: 0,
-            },
+            TEST_OPTIONS,
         )
         .unwrap();
         let requests = [
@@ -1272,10 +1275,9 @@ mod tests {
             move || Ok(CpuBackend::new(model)),
             None,
             EngineOptions {
-                max_batch: 4,
-                max_queue: 8,
                 prefill_chunk: 1000,
                 prefix_cache: 2,
+                ..TEST_OPTIONS
             },
         )
         .unwrap();
@@ -1341,12 +1343,7 @@ mod tests {
                     })
                 },
                 None,
-                EngineOptions {
-                    max_batch: 4,
-                    max_queue: 8,
-                    prefill_chunk: 512,
-                    prefix_cache: 0,
-                },
+                TEST_OPTIONS,
             )
             .unwrap()
         };
@@ -1411,10 +1408,8 @@ mod tests {
             },
             None,
             EngineOptions {
-                max_batch: 4,
-                max_queue: 8,
-                prefill_chunk: 512,
                 prefix_cache: 4,
+                ..TEST_OPTIONS
             },
         )
         .unwrap();
