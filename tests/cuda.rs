@@ -288,19 +288,21 @@ fn memory_use_counts_the_backends_own_buffers() {
         .filter(|k| **k == lily::config::LayerKind::FullAttention)
         .count();
     let deltanet = c.num_layers() - attention;
-    // Keys and values in bf16 up to the context, and each DeltaNet layer's conv inputs and
-    // recurrent state in f32; a slot's position, token and sampling settings are a few bytes.
+    // Keys and values in bf16 up to the context, each DeltaNet layer's conv inputs and
+    // recurrent state in f32, and the penalty history's 32-bit word per vocabulary id; a slot's
+    // position, token and sampling settings are a few bytes.
     let state = attention * 2 * context * c.num_key_value_heads * c.head_dim * 2
         + deltanet
             * 4
             * (c.linear_conv_kernel_dim * c.linear_conv_dim()
-                + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
+                + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)
+        + 4 * c.vocab_size;
     let one = cuda(&model, 1);
     let three = cuda(&model, 3);
     let (m1, m3) = (one.memory_use().unwrap(), three.memory_use().unwrap());
     assert!(
         (state..state + 64).contains(&m1.sequences),
-        "one slot holds {} bytes, its caches and states {state}",
+        "one slot holds {} bytes, its caches, states and history {state}",
         m1.sequences
     );
     assert_eq!(m1.sequences, CudaBackend::slot_bytes(c, context));
