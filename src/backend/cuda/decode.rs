@@ -109,6 +109,7 @@ impl CudaBackend {
             ids: ptr(&sc.ids, s),
             weights: p(&sc.weights),
             routed_staged: p(&sc.routed_staged),
+            routing_ready: ptr(&sc.routing_ready, s),
         };
 
         // A large batch's routed experts take prefill's grouped products, in its scratch.
@@ -613,7 +614,17 @@ impl CudaBackend {
             .max(gate_up_blocks(c.shared_expert_intermediate_size)) as u32;
         let mut launch = cfg(blocks, 2, MATVEC_THREADS, smem);
         launch.grid_dim.2 = tokens as u32;
-        // SAFETY: per token, router_logits holds experts + 1 floats, act (top_k + 1) * inter.
+        // One token: blocks of gate_up_warps warps, which write moe_down's routed input already
+        // staged where the experts' format allows, and then publish the routing early.
+        let format = self.k.expert_format;
+        let staged = if tokens == 1 && b.routed_staged != 0 && moe_stages_act(c, format) {
+            b.routed_staged
+        } else {
+            0
+        };
+        let ready = if staged != 0 { b.routing_ready } else { 0 };
+        // SAFETY: per token, router_logits holds experts + 1 floats, act (top_k + 1) * inter;
+        // ready (when not 0) is one word.
         unsafe {
             self.launch(
                 "moe_router_shared",
@@ -628,6 +639,7 @@ impl CudaBackend {
                     arg(&post),
                     arg(&router),
                     arg(&act),
+                    arg(&ready),
                 ],
             )
         }?;
@@ -635,14 +647,6 @@ impl CudaBackend {
         if tokens > 1 {
             return self.moe_tokens(layer, &dims, b, x, tokens, routed_blocks, grouped);
         }
-        // One token: blocks of gate_up_warps warps, which write moe_down's routed input already
-        // staged where the experts' format allows.
-        let format = self.k.expert_format;
-        let staged = if b.routed_staged != 0 && moe_stages_act(c, format) {
-            b.routed_staged
-        } else {
-            0
-        };
         let warps = gate_up_warps(format);
         let launch = cfg(
             c.moe_intermediate_size
@@ -669,10 +673,12 @@ impl CudaBackend {
                     arg(&ids),
                     arg(&weights),
                     arg(&staged),
+                    arg(&ready),
                 ],
             )
         }?;
-        self.moe_down_launch(layer, &dims, act, ids, weights, x, 1, false, staged)
+        let routing = DownRouting::FromGateUp { staged, ready };
+        self.moe_down_launch(layer, &dims, act, ids, weights, x, 1, routing)
     }
 
     /// The routed experts of the MoE block for several tokens (after `moe_router_shared`):
@@ -765,12 +771,20 @@ impl CudaBackend {
             )
         }?;
         // The routing is two launches back by now.
-        self.moe_down_launch(layer, dims, act, ids, weights, x, tokens, true, 0)
+        self.moe_down_launch(
+            layer,
+            dims,
+            act,
+            ids,
+            weights,
+            x,
+            tokens,
+            DownRouting::Routed,
+        )
     }
 
     /// `moe_down` for `tokens` rows: every slot's down projection, weighted, added to the
-    /// residual rows `x`; `routed_early` when the routing was written two launches back;
-    /// `routed_staged` (one token, else 0) where `moe_gate_up` staged the routed input.
+    /// residual rows `x`, with the routing as `routing` says.
     #[allow(clippy::too_many_arguments)]
     fn moe_down_launch(
         &self,
@@ -781,8 +795,7 @@ impl CudaBackend {
         weights: u64,
         x: u64,
         tokens: usize,
-        routed_early: bool,
-        routed_staged: u64,
+        routing: DownRouting,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let (d, sd) = (layer.down.desc(s), layer.shared_down.desc(s));
@@ -798,7 +811,10 @@ impl CudaBackend {
                 .div_ceil(MATVEC_THREADS as usize / 32 * DOWN_ROWS_PER_WARP) as u32;
         let mut launch = cfg(blocks, 1, MATVEC_THREADS, smem);
         launch.grid_dim.2 = tokens as u32;
-        let routed_early = i32::from(routed_early);
+        let (routed_early, routed_staged, ready) = match routing {
+            DownRouting::Routed => (1i32, 0, 0),
+            DownRouting::FromGateUp { staged, ready } => (0, staged, ready),
+        };
         let kernel = if tokens == 1 {
             &self.k.moe_down
         } else {
@@ -820,11 +836,22 @@ impl CudaBackend {
                     arg(&x),
                     arg(&routed_early),
                     arg(&routed_staged),
+                    arg(&ready),
                 ],
             )
         }?;
         Ok(())
     }
+}
+
+/// Where `moe_down` finds the routing of its tokens.
+enum DownRouting {
+    /// Written two launches back (`moe_route`): its routed rows are requested before its wait.
+    Routed,
+    /// Written by the previous launch, `moe_gate_up`, which staged the routed input into
+    /// `staged` (0: not staged) and, where `ready` is not 0, says there when the routing is
+    /// written, so that the routed rows are requested then, before the wait.
+    FromGateUp { staged: u64, ready: u64 },
 }
 
 /// Whether a decode batch's routed experts may take prefill's grouped products (4- or 8-bit

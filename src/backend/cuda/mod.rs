@@ -221,6 +221,8 @@ struct MoeBuffers {
     /// One token's routed input to `moe_down`, staged by `moe_gate_up` (0: none, `moe_down`
     /// stages it from `act`).
     routed_staged: u64,
+    /// Where one token's `moe_gate_up` says its routing is written (`Scratch::routing_ready`).
+    routing_ready: u64,
 }
 
 // SAFETY: plain old data mirroring the structs of the same names in the kernel sources.
@@ -324,6 +326,9 @@ struct Scratch {
     act: CudaSlice<f32>,
     /// One token's routed activations in `moe_down`'s staged layout (`MoeBuffers::routed_staged`).
     routed_staged: CudaSlice<f32>,
+    /// One token's MoE block: 1 once `moe_gate_up` has written the routing, so that `moe_down`
+    /// requests its routed rows before its wait (`moe_router_shared` clears it).
+    routing_ready: CudaSlice<u32>,
     ids: CudaSlice<i32>,
     weights: CudaSlice<f32>,
     logits: CudaSlice<f32>,
@@ -375,6 +380,7 @@ impl Scratch {
             + self.ids.num_bytes()
             + self.arg_idx.num_bytes()
             + self.sample_cut.num_bytes()
+            + self.routing_ready.num_bytes()
             + self.sample_id.num_bytes()
             + self.candidate_id.num_bytes()
             + self.chosen.num_bytes()
@@ -782,6 +788,7 @@ impl CudaBackend {
             routed_staged: stream.alloc_zeros::<f32>(
                 staged_floats_bits(c.num_experts_per_tok * c.moe_intermediate_size, 4).max(1),
             )?,
+            routing_ready: stream.alloc_zeros::<u32>(1)?,
             ids: stream.alloc_zeros::<i32>((c.num_experts_per_tok + 1) * rows)?,
             weights: z(c.num_experts_per_tok + 1)?,
             logits: z(c.vocab_size)?,

@@ -155,6 +155,32 @@ __device__ __forceinline__ int act_width(const MoeDims& d) {
     return (d.top_k + 1) * max(d.intermediate, d.shared_intermediate);
 }
 
+// One token's routing published early: moe_gate_up's block (0, 0) sets the word once it has
+// written the routing, which is soon after its wait, and moe_down's blocks, which may start beside
+// moe_gate_up's (the next launch starts once every block of this one has passed its wait, so
+// block (0, 0) is resident by then), request their routed rows as soon as they see it instead of
+// after their wait. moe_router_shared clears it after its own wait, when the previous layer's
+// moe_down has finished with it; moe_down only starts once that clear is done.
+__device__ __forceinline__ void clear_routing_ready(unsigned* ready) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(ready), "r"(0u) : "memory");
+}
+
+// By one thread, after the routing's stores (each fenced by the thread that made it, then a
+// barrier over those threads).
+__device__ __forceinline__ void publish_routing(unsigned* ready) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ready), "r"(1u) : "memory");
+}
+
+// By one thread; the block's other threads read the routing after a barrier that follows it.
+__device__ __forceinline__ void await_routing(const unsigned* ready) {
+    unsigned v;
+    for (;;) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ready) : "memory");
+        if (v != 0) return;
+        __nanosleep(32);
+    }
+}
+
 #define GATE_UP_ROWS_PER_WARP 2
 #define MOE_WARPS 8  // warps of a moe_gate_up_tokens block (and of the staging moe_gate_up emulates)
 #define DOWN_ROWS_PER_WARP 1
@@ -231,7 +257,7 @@ __device__ void shared_gate_up_block(const MoeDims& d, const Weight& g, const We
 extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d, Weight router, Weight shared_gate,
                                                                     Weight shared_up, const float* residual,
                                                                     const float* norm_scale, float* router_logits,
-                                                                    float* act) {
+                                                                    float* act, unsigned* routing_ready) {
     d = moe_shape(d);
     router = moe_weight(router, d.experts + 1, d.hidden);
     shared_gate = expert_weight(shared_gate, d.shared_intermediate, d.hidden);
@@ -244,6 +270,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
     act += token * act_width(d);
     if (blockIdx.y == 0) {
         matvec_bits<1, 4>(router, residual, norm_scale, d.eps, router_logits, 0, smem);
+        // After the wait (in matvec_bits).
+        if (routing_ready != nullptr && blockIdx.x == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+            clear_routing_ready(routing_ready);
         return;
     }
     float* xs = smem + 64;
@@ -306,7 +335,8 @@ __device__ void stage_block_act(const MoeDims& d, const Routing& r, int slot, fl
 template <int BITS>
 __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
                                      const float* norm_scale, const float* router_logits, float* xs, float* scratch,
-                                     Routing& r, float* act, int* ids_out, float* weights_out, float* staged) {
+                                     Routing& r, float* act, int* ids_out, float* weights_out, float* staged,
+                                     unsigned* routing_ready) {
     // Staged as by a block of MOE_WARPS warps: bit for bit the input of moe_gate_up_tokens, so
     // that a batched step's tokens get exactly their one-token activations.
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
@@ -328,6 +358,11 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
         if (writes_routing && threadIdx.x <= d.top_k) {
             weights_out[threadIdx.x] = r.weights[threadIdx.x];
             ids_out[threadIdx.x] = r.ids[threadIdx.x];
+            __threadfence();
+        }
+        if (writes_routing && routing_ready != nullptr) {
+            __syncwarp();
+            if (threadIdx.x == 0) publish_routing(routing_ready);
         }
     }
 #if GATE_UP_BLOCK_ROWS == 32
@@ -352,7 +387,8 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
 // staged_floats(hidden) floats.
 extern "C" __global__ void GATE_UP_BOUNDS moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
                                                      const float* norm_scale, const float* router_logits, float* act,
-                                                     int* ids_out, float* weights_out, float* staged) {
+                                                     int* ids_out, float* weights_out, float* staged,
+                                                     unsigned* routing_ready) {
     d = moe_shape(d);
     gate = expert_weight(gate, d.experts * d.intermediate, d.hidden);
     up = expert_weight(up, d.experts * d.intermediate, d.hidden);
@@ -361,9 +397,9 @@ extern "C" __global__ void GATE_UP_BOUNDS moe_gate_up(MoeDims d, Weight gate, We
     __shared__ Routing r;
     float* xs = smem + 64;
     switch (gate.bits) {
-        case 4: routed_gate_up_block<4>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged); break;
-        case 8: routed_gate_up_block<8>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged); break;
-        default: routed_gate_up_block<16>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged); break;
+        case 4: routed_gate_up_block<4>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged, routing_ready); break;
+        case 8: routed_gate_up_block<8>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged, routing_ready); break;
+        default: routed_gate_up_block<16>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged, routing_ready); break;
     }
 }
 
@@ -516,13 +552,16 @@ __device__ __forceinline__ void down_first_pass(const MoeDims& d, const Weight& 
 // Grid: (hidden / (8 warps * DOWN_ROWS_PER_WARP), 1, tokens). Shared memory: 64 + staged_floats(top_k *
 // intermediate) + staged_floats(shared_intermediate) floats. routed_early: the routing was
 // written two launches back (moe_route, for several tokens), so the routed rows are requested
-// before the wait; else by the previous kernel (moe_gate_up), and after it. routed_staged
-// (one token): the routed input already staged and weighted by moe_gate_up, copied instead of
-// staged from act.
+// before the wait; else by the previous kernel (moe_gate_up), and after it, or, with
+// routing_ready (one token), once that says it is written (await_routing). routed_staged (one
+// token): the routed input already staged and weighted by moe_gate_up, copied instead of staged
+// from act.
 __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& down, const Weight& shared_down,
                                               const float* act, const int* ids_in, const float* weights_in,
-                                              float* residual, int routed_early, const float* routed_staged) {
+                                              float* residual, int routed_early, const float* routed_staged,
+                                              const unsigned* routing_ready) {
     extern __shared__ __align__(16) float smem[];
+    __shared__ int published_ids[MAX_TOP_K];
     const size_t token = blockIdx.z;
     act += token * act_width(d);
     ids_in += token * (d.top_k + 1);
@@ -544,9 +583,18 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
     // The routed rows' first pass goes out as soon as the routing is known (read from L2 by each
     // lane), while the activations are staged.
     Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> routed_pass;
-    if (routed_early) down_first_pass(d, down, ids_in, r0, routed_pass);
+    const int* ids = ids_in;
+    if (routing_ready != nullptr) {
+        if (threadIdx.x == 0) await_routing(routing_ready);
+        __syncthreads();
+        // From L2: this SM's L1 may hold an earlier layer's routing at the same address.
+        if (threadIdx.x < d.top_k) published_ids[threadIdx.x] = __ldcg(ids_in + threadIdx.x);
+        __syncthreads();
+        ids = published_ids;
+    }
+    if (routed_early || routing_ready != nullptr) down_first_pass(d, down, ids, r0, routed_pass);
     wait_for_previous_kernel();
-    if (!routed_early) down_first_pass(d, down, ids_in, r0, routed_pass);
+    if (!routed_early && routing_ready == nullptr) down_first_pass(d, down, ids, r0, routed_pass);
     const int stride = max(d.intermediate, d.shared_intermediate);
     float* routed_xs = smem + 64;
     float* shared_xs = routed_xs + staged_floats(d.intermediate * d.top_k);
@@ -583,9 +631,9 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
     }
     float out[DOWN_ROWS_PER_WARP] = {};
     switch (down.bits) {
-        case 4: down_routed<4>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
-        case 8: down_routed<8>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
-        default: down_routed<16>(d, down, ids_in, routed_xs, r0, routed_pass, out); break;
+        case 4: down_routed<4>(d, down, ids, routed_xs, r0, routed_pass, out); break;
+        case 8: down_routed<8>(d, down, ids, routed_xs, r0, routed_pass, out); break;
+        default: down_routed<16>(d, down, ids, routed_xs, r0, routed_pass, out); break;
     }
     switch (shared_down.bits) {
         case 4: down_shared<4>(shared_down, shared_xs, r0, shared_pass, out); break;
@@ -601,12 +649,14 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
 extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight down, Weight shared_down, const float* act,
                                                            const int* ids_in, const float* weights_in,
                                                            float* residual, int routed_early,
-                                                           const float* routed_staged) {
+                                                           const float* routed_staged,
+                                                           const unsigned* routing_ready) {
     d = moe_shape(d);
     down = expert_weight(down, d.experts * d.hidden, d.intermediate);
     shared_down = expert_weight(shared_down, d.hidden, d.shared_intermediate);
     TRACE_BLOCK();
-    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early, routed_staged);
+    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early, routed_staged,
+                  routing_ready);
 }
 
 // moe_down for batched decode steps, whose grid rows (one per token) run in several waves:
@@ -615,12 +665,13 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_down(MoeDims d, Weight 
 // are alone.
 extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_BATCHED_BLOCKS) moe_down_batched(
     MoeDims d, Weight down, Weight shared_down, const float* act, const int* ids_in, const float* weights_in,
-    float* residual, int routed_early, const float* routed_staged) {
+    float* residual, int routed_early, const float* routed_staged, const unsigned* routing_ready) {
     d = moe_shape(d);
     down = expert_weight(down, d.experts * d.hidden, d.intermediate);
     shared_down = expert_weight(shared_down, d.hidden, d.shared_intermediate);
     TRACE_BLOCK();
-    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early, routed_staged);
+    moe_down_impl(d, down, shared_down, act, ids_in, weights_in, residual, routed_early, routed_staged,
+                  routing_ready);
 }
 
 // Each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot top_k is the

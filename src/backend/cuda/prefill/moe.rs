@@ -64,6 +64,7 @@ impl CudaBackend {
                 ids: ps.moe.ids,
                 weights: ps.moe.weights,
                 routed_staged: 0,
+                routing_ready: 0,
             };
             self.moe(layer, &buffers, x, n, None)
         }
