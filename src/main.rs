@@ -230,11 +230,12 @@ struct PenaltyArgs {
 
 #[cfg(feature = "cuda")]
 impl PenaltyArgs {
-    /// Whether any penalty is on.
-    fn any(&self) -> bool {
-        self.repetition_penalty != 1.0
-            || self.presence_penalty != 0.0
-            || self.frequency_penalty != 0.0
+    fn penalties(&self) -> lily::backend::Penalties {
+        lily::backend::Penalties {
+            repetition: self.repetition_penalty,
+            presence: self.presence_penalty,
+            frequency: self.frequency_penalty,
+        }
     }
 }
 
@@ -540,7 +541,7 @@ fn run(cli: Cli) -> Result<()> {
                 "give --model DIR or --synthetic"
             );
             anyhow::ensure!(
-                temperature.is_some() || !penalties.any(),
+                temperature.is_some() || penalties.penalties().is_none(),
                 "the penalties are the sampled decode's: give --temperature (0 decodes greedily)"
             );
             let format = match quant {

@@ -76,10 +76,7 @@ impl SamplingParams {
     /// Whether a draw needs nothing but the logits and the filters (temperature above the greedy
     /// threshold, no penalties), so a backend can make it without the history.
     pub fn is_drawable_anywhere(&self) -> bool {
-        self.temperature >= MIN_SAMPLING_TEMPERATURE
-            && self.repetition_penalty == 1.0
-            && self.presence_penalty == 0.0
-            && self.frequency_penalty == 0.0
+        self.temperature >= MIN_SAMPLING_TEMPERATURE && !self.penalises()
     }
 
     /// Whether a backend that draws tokens itself can make this draw: one that needs no history
@@ -105,10 +102,7 @@ impl SamplingParams {
     /// Whether the choice is always the plain argmax of the logits (no temperature, no
     /// penalties), which a backend can then make on its own without returning the logits.
     pub fn is_greedy(&self) -> bool {
-        self.temperature < MIN_SAMPLING_TEMPERATURE
-            && self.repetition_penalty == 1.0
-            && self.presence_penalty == 0.0
-            && self.frequency_penalty == 0.0
+        self.temperature < MIN_SAMPLING_TEMPERATURE && !self.penalises()
     }
 
     /// Checks every field's range (NaN is always out of range); the error names the first bad field.

@@ -536,9 +536,10 @@ impl<'a, B: Backend> EngineLoop<'a, B> {
         let reports_nothing = request.logprobs.is_none()
             && request.logit_bias.is_empty()
             && request.constraint.is_none();
-        let device_greedy = request.params.sampling.is_greedy() && reports_nothing;
+        let sampling = &request.params.sampling;
+        let device_greedy = sampling.is_greedy() && reports_nothing;
         let device_sampled = self.backend.samples_on_device()
-            && (request.params.sampling).is_drawable_on(self.backend.penalises_on_device())
+            && sampling.is_drawable_on(self.backend.penalises_on_device())
             && reports_nothing;
         let mut cache_points: Vec<usize> = request
             .cache_points
