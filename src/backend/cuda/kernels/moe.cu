@@ -358,7 +358,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
         if (writes_routing && threadIdx.x <= d.top_k) {
             weights_out[threadIdx.x] = r.weights[threadIdx.x];
             ids_out[threadIdx.x] = r.ids[threadIdx.x];
-            __threadfence();
+            if (routing_ready != nullptr) __threadfence();
         }
         if (writes_routing && routing_ready != nullptr) {
             __syncwarp();
@@ -584,6 +584,8 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
     // lane), while the activations are staged.
     Pass<DOWN_ROWS_PER_WARP, DOWN_PASS> routed_pass;
     const int* ids = ids_in;
+    // Whether the routing is known before the wait (written two launches back, or published).
+    const bool routed_before_wait = routed_early || routing_ready != nullptr;
     if (routing_ready != nullptr) {
         if (threadIdx.x == 0) await_routing(routing_ready);
         __syncthreads();
@@ -592,9 +594,9 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
         __syncthreads();
         ids = published_ids;
     }
-    if (routed_early || routing_ready != nullptr) down_first_pass(d, down, ids, r0, routed_pass);
+    if (routed_before_wait) down_first_pass(d, down, ids, r0, routed_pass);
     wait_for_previous_kernel();
-    if (!routed_early && routing_ready == nullptr) down_first_pass(d, down, ids, r0, routed_pass);
+    if (!routed_before_wait) down_first_pass(d, down, ids, r0, routed_pass);
     const int stride = max(d.intermediate, d.shared_intermediate);
     float* routed_xs = smem + 64;
     float* shared_xs = routed_xs + staged_floats(d.intermediate * d.top_k);
