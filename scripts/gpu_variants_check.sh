@@ -6,9 +6,11 @@
 #   1. the base build's CUDA tests named (filters of tests/cuda.rs, e.g. tests new since the last
 #      GPU run; none named: skipped);
 #   2. 4-bit decode of every variant against base (scripts/ab_decode.sh -r ROUNDS, default 1);
-#   3. scripts/gpu_server_check.py on base;
-#   4. 8-bit decode of every variant (one round);
-#   5. every other variant's CUDA tests in full.
+#   3. `lily logits --path decode` of every variant on the tiny fixture converted to 4 bits,
+#      compared byte for byte with base's (variants that change only scheduling must match);
+#   4. scripts/gpu_server_check.py on base;
+#   5. 8-bit decode of every variant (one round);
+#   6. every other variant's CUDA tests in full.
 # OUT_DIR ($OUT by default) gets summary.txt and logs.tgz (every step's whole log): two files, well
 # inside what a device call brings back. scripts/gpu_check.sh (the full correctness check) takes
 # a call of its own: `LILY_GPU_DIR=target/variants/base scripts/gpu_check.sh`.
@@ -48,6 +50,24 @@ for name in "${variants[@]}"; do labelled+=("$name=$V/$name/lily"); done
     fi
     echo "== 4-bit decode, $rounds round(s)"
     scripts/ab_decode.sh -r "$rounds" -l "$logs/ab-q4" "${labelled[@]}" 2>&1 | tail -$((4 + 4 * ${#variants[@]}))
+    echo "== decode logits on the 4-bit tiny fixture against base"
+    q4="$logs/tiny-q4"
+    $V/base/lily convert --model tests/fixtures/tiny-wrapper --out "$q4" --bits 4 --group-size 64 >/dev/null
+    prompt=$(seq 0 299 | awk '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 7919) % 1000}')
+    for name in "${variants[@]}"; do
+        timeout 120 "$V/$name/lily" logits --model "$q4" --prompt-ids "$prompt" --path decode --device cuda \
+            >"$logs/$name-logits.json" 2>"$logs/$name-logits.err" || echo "$name: logits failed"
+        [ "$name" = base ] && continue
+        if cmp -s "$logs/base-logits.json" "$logs/$name-logits.json"; then
+            echo "$name: identical"
+        else
+            python3 -c 'import json, sys
+a, b = (json.load(open(f))["logits"] for f in sys.argv[1:3])
+print(sys.argv[3] + ": DIFFERENT, largest difference",
+      max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)))' \
+                "$logs/base-logits.json" "$logs/$name-logits.json" "$name"
+        fi
+    done
     echo "== server on CUDA (base)"
     timeout 180 python3 scripts/gpu_server_check.py --lily $V/base/lily 2>&1 | tee "$logs/server.log" | tail -10
     echo "== 8-bit decode, one round"
