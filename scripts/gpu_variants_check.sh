@@ -12,7 +12,8 @@
 #   5. 8-bit decode of every variant (one round);
 #   6. every other variant's CUDA tests in full.
 # OUT_DIR ($OUT by default) gets summary.txt and logs.tgz (every step's whole log): two files, well
-# inside what a device call brings back. scripts/gpu_check.sh (the full correctness check) takes
+# inside what a device call brings back. Both are written as the steps go, so a call that runs
+# past its time limit still brings back the steps that finished. scripts/gpu_check.sh (the full correctness check) takes
 # a call of its own: `LILY_GPU_DIR=target/variants/base scripts/gpu_check.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -40,6 +41,7 @@ for dir in "$V"/*/; do
     name=$(basename "$dir")
     [ "$name" != base ] && variants+=("$name")
 done
+save_logs() { tar czf "$out/logs.tgz" -C "$(dirname "$logs")" logs; }
 labelled=()
 for name in "${variants[@]}"; do labelled+=("$name=$V/$name/lily"); done
 {
@@ -50,33 +52,39 @@ for name in "${variants[@]}"; do labelled+=("$name=$V/$name/lily"); done
     fi
     echo "== 4-bit decode, $rounds round(s)"
     scripts/ab_decode.sh -r "$rounds" -l "$logs/ab-q4" "${labelled[@]}" 2>&1 | tail -$((4 + 4 * ${#variants[@]}))
+    save_logs
     echo "== decode logits on the 4-bit tiny fixture against base"
-    q4="$logs/tiny-q4"
+    scratch="$(dirname "$logs")/scratch"  # beside the logs: the logits are megabytes each
+    q4="$scratch/tiny-q4"
+    mkdir -p "$scratch"
     $V/base/lily convert --model tests/fixtures/tiny-wrapper --out "$q4" --bits 4 --group-size 64 >/dev/null
     prompt=$(seq 0 299 | awk '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 7919) % 1000}')
     for name in "${variants[@]}"; do
         timeout 120 "$V/$name/lily" logits --model "$q4" --prompt-ids "$prompt" --path decode --device cuda \
-            >"$logs/$name-logits.json" 2>"$logs/$name-logits.err" || echo "$name: logits failed"
+            >"$scratch/$name-logits.json" 2>"$logs/$name-logits.err" || echo "$name: logits failed"
         [ "$name" = base ] && continue
-        if cmp -s "$logs/base-logits.json" "$logs/$name-logits.json"; then
+        if cmp -s "$scratch/base-logits.json" "$scratch/$name-logits.json"; then
             echo "$name: identical"
         else
             python3 -c 'import json, sys
 a, b = (json.load(open(f))["logits"] for f in sys.argv[1:3])
 print(sys.argv[3] + ": DIFFERENT, largest difference",
       max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)))' \
-                "$logs/base-logits.json" "$logs/$name-logits.json" "$name"
+                "$scratch/base-logits.json" "$scratch/$name-logits.json" "$name"
         fi
     done
+    save_logs
     echo "== server on CUDA (base)"
     timeout 180 python3 scripts/gpu_server_check.py --lily $V/base/lily 2>&1 | tee "$logs/server.log" | tail -10
+    save_logs
     echo "== 8-bit decode, one round"
     scripts/ab_decode.sh -r 1 -l "$logs/ab-q8" "${labelled[@]}" -- --synthetic --quant q8 --prompt 4096 --gen 64 \
         2>&1 | tail -$((4 + 4 * ${#variants[@]}))
+    save_logs
     for name in "${variants[@]:1}"; do
         echo "== $name: CUDA tests"
         timeout 300 "$V/$name/cuda-tests" --test-threads=1 2>&1 | tee "$logs/$name-tests.log" |
             grep -E "^test .*FAILED|test result" | tail -10
+        save_logs
     done
 } 2>&1 | tee "$out/summary.txt"
-tar czf "$out/logs.tgz" -C "$(dirname "$logs")" logs
