@@ -2,26 +2,32 @@
 # Everything a device call should learn about the builds of scripts/build_variants.sh, most
 # important first, so that a call cut short (or a session with one call) still brings back the
 # most: run on the GPU machine from the repository root with `carry: ["target/variants"]`:
-#   scripts/gpu_variants_check.sh [-r ROUNDS] [-o OUT_DIR] [TEST_NAME...]
+#   scripts/gpu_variants_check.sh [-r ROUNDS] [-c] [-o OUT_DIR] [TEST_NAME...]
 #   1. the base build's CUDA tests named (filters of tests/cuda.rs, e.g. tests new since the last
 #      GPU run; none named: skipped);
 #   2. 4-bit decode of every variant against base (scripts/ab_decode.sh -r ROUNDS, default 1);
 #   3. `lily logits --path decode` of every variant on the tiny fixture converted to 4 bits,
 #      compared byte for byte with base's (variants that change only scheduling must match);
-#   4. scripts/gpu_server_check.py on base;
-#   5. 8-bit decode of every variant (one round);
-#   6. every other variant's CUDA tests in full.
+#   4. with -c, scripts/gpu_check.sh (the full correctness check, ~3 min) on the variant that
+#      decoded fastest in step 2 among those whose logits matched (base if none beat it), so
+#      that one machine start both picks a variant and clears it for landing;
+#   5. scripts/gpu_server_check.py on base (skipped with -c: gpu_check.sh runs it);
+#   6. 8-bit decode of every variant (one round);
+#   7. every other variant's CUDA tests in full.
 # OUT_DIR ($OUT by default) gets summary.txt and logs.tgz (every step's whole log): two files, well
 # inside what a device call brings back. Both are written as the steps go, so a call that runs
-# past its time limit still brings back the steps that finished. scripts/gpu_check.sh (the full correctness check) takes
-# a call of its own: `LILY_GPU_DIR=target/variants/base scripts/gpu_check.sh`.
+# past its time limit still brings back the steps that finished. Without -c, run
+# scripts/gpu_check.sh on the chosen variant in a call of its own:
+# `LILY_GPU_DIR=target/variants/NAME scripts/gpu_check.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 rounds=1
+check_fastest=0
 out="${OUT:-/tmp/lily-variants}"
-while getopts "r:o:" opt; do
+while getopts "r:co:" opt; do
     case "$opt" in
         r) rounds="$OPTARG" ;;
+        c) check_fastest=1 ;;
         o) out="$OPTARG" ;;
         *) exit 2 ;;
     esac
@@ -59,12 +65,14 @@ for name in "${variants[@]}"; do labelled+=("$name=$V/$name/lily"); done
     mkdir -p "$scratch"
     $V/base/lily convert --model tests/fixtures/tiny-wrapper --out "$q4" --bits 4 --group-size 64 >/dev/null
     prompt=$(seq 0 299 | awk '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 7919) % 1000}')
+    matching=(base)
     for name in "${variants[@]}"; do
         timeout 120 "$V/$name/lily" logits --model "$q4" --prompt-ids "$prompt" --path decode --device cuda \
             >"$scratch/$name-logits.json" 2>"$logs/$name-logits.err" || echo "$name: logits failed"
         [ "$name" = base ] && continue
         if cmp -s "$scratch/base-logits.json" "$scratch/$name-logits.json"; then
             echo "$name: identical"
+            matching+=("$name")
         else
             python3 -c 'import json, sys
 a, b = (json.load(open(f))["logits"] for f in sys.argv[1:3])
@@ -74,9 +82,20 @@ print(sys.argv[3] + ": DIFFERENT, largest difference",
         fi
     done
     save_logs
-    echo "== server on CUDA (base)"
-    timeout 180 python3 scripts/gpu_server_check.py --lily $V/base/lily 2>&1 | tee "$logs/server.log" | tail -10
-    save_logs
+    if [ "$check_fastest" = 1 ]; then
+        # The highest mean one-sequence rate of ab_decode.sh's results among the matching.
+        fastest=$(awk -F'\t' -v matching=" ${matching[*]} " '
+            $2 == "one sequence" && index(matching, " " $1 " ") { n[$1]++; sum[$1] += $3 }
+            END { for (v in n) if (best == "" || sum[v] / n[v] > rate) { best = v; rate = sum[v] / n[v] }
+                  print best }' "$logs/ab-q4/results.tsv")
+        echo "== scripts/gpu_check.sh on ${fastest:=base}"
+        LILY_GPU_DIR="$V/$fastest" scripts/gpu_check.sh "$logs/gpu-check-$fastest" 2>&1 | tail -20
+        save_logs
+    else
+        echo "== server on CUDA (base)"
+        timeout 180 python3 scripts/gpu_server_check.py --lily $V/base/lily 2>&1 | tee "$logs/server.log" | tail -10
+        save_logs
+    fi
     echo "== 8-bit decode, one round"
     scripts/ab_decode.sh -r 1 -l "$logs/ab-q8" "${labelled[@]}" -- --synthetic --quant q8 --prompt 4096 --gen 64 \
         2>&1 | tail -$((4 + 4 * ${#variants[@]}))
