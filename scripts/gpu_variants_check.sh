@@ -8,7 +8,8 @@
 #   2. 4-bit decode of every variant against base (scripts/ab_decode.sh -r ROUNDS, default 1);
 #   3. `lily logits --path decode` of every variant on the tiny fixture converted to 4 bits,
 #      compared byte for byte with base's (variants that change only scheduling must match);
-#   4. with -c, scripts/gpu_check.sh (the full correctness check, ~3 min) on the variant that
+#   4. with -c, scripts/gpu_check.sh (the full correctness check: ~3 min on a warm machine, over
+#      6.5 on a fresh H100 after the steps above) on the variant that
 #      decoded fastest in step 2 among those whose logits matched (base if none beat it), so
 #      that one machine start both picks a variant and clears it for landing;
 #   5. scripts/gpu_server_check.py on base (skipped with -c: gpu_check.sh runs it);
@@ -47,7 +48,12 @@ for dir in "$V"/*/; do
     name=$(basename "$dir")
     [ "$name" != base ] && variants+=("$name")
 done
-save_logs() { tar czf "$out/logs.tgz" -C "$(dirname "$logs")" logs; }
+# Written aside and renamed, so that two saves at once (the half-minute saver below) never
+# leave a torn archive.
+save_logs() {
+    tar czf "$out/.logs.tgz.$BASHPID" -C "$(dirname "$logs")" logs 2>/dev/null
+    mv -f "$out/.logs.tgz.$BASHPID" "$out/logs.tgz"
+}
 labelled=()
 for name in "${variants[@]}"; do labelled+=("$name=$V/$name/lily"); done
 {
@@ -89,7 +95,12 @@ print(sys.argv[3] + ": DIFFERENT, largest difference",
             END { for (v in n) if (best == "" || sum[v] / n[v] > rate) { best = v; rate = sum[v] / n[v] }
                   print best }' "$logs/ab-q4/results.tsv")
         echo "== scripts/gpu_check.sh on ${fastest:=base}"
-        LILY_GPU_DIR="$V/$fastest" scripts/gpu_check.sh "$logs/gpu-check-$fastest" 2>&1 | tail -20
+        # Its lines straight through (one per step as it ends), and the logs saved every half
+        # minute meanwhile: on a fresh machine it can take longer than the rest of the call.
+        (while sleep 30; do save_logs; done) &
+        saver=$!
+        LILY_GPU_DIR="$V/$fastest" scripts/gpu_check.sh "$logs/gpu-check-$fastest" 2>&1
+        kill "$saver"
         save_logs
     else
         echo "== server on CUDA (base)"
