@@ -2,7 +2,7 @@
 # Everything a device call should learn about the builds of scripts/build_variants.sh, most
 # important first, so that a call cut short (or a session with one call) still brings back the
 # most: run on the GPU machine from the repository root with `carry: ["target/variants"]`:
-#   scripts/gpu_variants_check.sh [-r ROUNDS] [-c] [-o OUT_DIR] [TEST_NAME...]
+#   scripts/gpu_variants_check.sh [-r ROUNDS] [-c | -C NAME] [-o OUT_DIR] [TEST_NAME...]
 #   1. the base build's CUDA tests named (filters of tests/cuda.rs, e.g. tests new since the last
 #      GPU run; none named: skipped);
 #   2. 4-bit decode of every variant against base (scripts/ab_decode.sh -r ROUNDS, default 1);
@@ -11,7 +11,9 @@
 #   4. with -c, scripts/gpu_check.sh (the full correctness check: ~3 min on a warm machine, over
 #      6.5 on a fresh H100 after the steps above) on the variant that
 #      decoded fastest in step 2 among those whose logits matched (base if none beat it), so
-#      that one machine start both picks a variant and clears it for landing;
+#      that one machine start both picks a variant and clears it for landing; with -C NAME, on
+#      variant NAME instead, whatever its logits (a variant that changes the arithmetic on
+#      purpose, whose tolerance tests/cuda.rs and the transformers check then judge);
 #   5. scripts/gpu_server_check.py on base (skipped with -c: gpu_check.sh runs it);
 #   6. 8-bit decode of every variant (one round);
 #   7. every other variant's CUDA tests in full.
@@ -24,11 +26,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 rounds=1
 check_fastest=0
+check_named=""
 out="${OUT:-/tmp/lily-variants}"
-while getopts "r:co:" opt; do
+while getopts "r:co:C:" opt; do
     case "$opt" in
         r) rounds="$OPTARG" ;;
         c) check_fastest=1 ;;
+        C) check_fastest=1 && check_named="$OPTARG" ;;
         o) out="$OPTARG" ;;
         *) exit 2 ;;
     esac
@@ -89,8 +93,10 @@ print(sys.argv[3] + ": DIFFERENT, largest difference",
     done
     save_logs
     if [ "$check_fastest" = 1 ]; then
-        # The highest mean one-sequence rate of ab_decode.sh's results among the matching.
-        fastest=$(awk -F'\t' -v matching=" ${matching[*]} " '
+        # The variant named by -C, else the highest mean one-sequence rate of ab_decode.sh's
+        # results among the matching.
+        fastest=$check_named
+        [ -n "$fastest" ] || fastest=$(awk -F'\t' -v matching=" ${matching[*]} " '
             $2 == "one sequence" && index(matching, " " $1 " ") { n[$1]++; sum[$1] += $3 }
             END { for (v in n) if (best == "" || sum[v] / n[v] > rate) { best = v; rate = sum[v] / n[v] }
                   print best }' "$logs/ab-q4/results.tsv")
