@@ -7,7 +7,8 @@
 #      GPU run; none named: skipped);
 #   2. 4-bit decode of every variant against base (scripts/ab_decode.sh -r ROUNDS, default 1);
 #   3. `lily logits --path decode` of every variant on the tiny fixture converted to 4 bits,
-#      compared byte for byte with base's (variants that change only scheduling must match);
+#      compared byte for byte with base's (variants that change only scheduling must match),
+#      and with -C NAME with NAME's as well;
 #   4. with -c, scripts/gpu_check.sh (the full correctness check: ~3 min on a warm machine, over
 #      6.5 on a fresh H100 after the steps above) on the variant that
 #      decoded fastest in step 2 among those whose logits matched (base if none beat it), so
@@ -79,17 +80,24 @@ for name in "${variants[@]}"; do labelled+=("$name=$V/$name/lily"); done
     for name in "${variants[@]}"; do
         timeout 120 "$V/$name/lily" logits --model "$q4" --prompt-ids "$prompt" --path decode --device cuda \
             >"$scratch/$name-logits.json" 2>"$logs/$name-logits.err" || echo "$name: logits failed"
-        [ "$name" = base ] && continue
-        if cmp -s "$scratch/base-logits.json" "$scratch/$name-logits.json"; then
-            echo "$name: identical"
-            matching+=("$name")
-        else
-            python3 -c 'import json, sys
+    done
+    # Against base, and with -C against the named variant too (a refinement of a variant that
+    # changes the arithmetic must give its logits bit for bit).
+    for reference in base $check_named; do
+        for name in "${variants[@]}"; do
+            [ "$name" = "$reference" ] && continue
+            [ "$reference" != base ] && [ "$name" = base ] && continue
+            if cmp -s "$scratch/$reference-logits.json" "$scratch/$name-logits.json"; then
+                echo "$name: identical to $reference"
+                [ "$reference" = base ] && matching+=("$name")
+            else
+                python3 -c 'import json, sys
 a, b = (json.load(open(f))["logits"] for f in sys.argv[1:3])
-print(sys.argv[3] + ": DIFFERENT, largest difference",
+print(sys.argv[3] + ": DIFFERENT from " + sys.argv[4] + ", largest difference",
       max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)))' \
-                "$scratch/base-logits.json" "$scratch/$name-logits.json" "$name"
-        fi
+                    "$scratch/$reference-logits.json" "$scratch/$name-logits.json" "$name" "$reference"
+            fi
+        done
     done
     save_logs
     if [ "$check_fastest" = 1 ]; then
