@@ -28,6 +28,9 @@ pub struct BenchArgs {
     pub prompt: usize,
     pub generate: usize,
     pub use_graphs: bool,
+    /// Decode with the router's own launch instead of folding it into the mixer's output
+    /// projection (`CudaOptions::fold_router`).
+    pub no_router_fold: bool,
     /// Decode steps to run inside a profiler range after the timed ones (see `CudaBackend::profile`).
     pub profile_steps: usize,
     /// Replays per truncated step for the decode critical path (0: not timed; see
@@ -177,6 +180,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         fit_sequences: false,
         use_graphs: args.use_graphs,
         prefill_chunk: args.prefill_chunk,
+        fold_router: !args.no_router_fold,
     };
     let start = Instant::now();
     let (backend, source) = match &args.model {

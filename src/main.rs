@@ -113,6 +113,10 @@ enum Command {
         /// Launch kernels one by one instead of replaying CUDA graphs (for profilers).
         #[arg(long)]
         no_graphs: bool,
+        /// Decode with the router's own launch instead of folded into the mixer's output
+        /// projection (to measure what the fold gives).
+        #[arg(long)]
+        no_router_fold: bool,
         /// Decode steps to run, after the timed ones, inside a profiler range (for
         /// `ncu --profile-from-start off`; the prefill timed by part runs in one too).
         #[arg(long, default_value_t = 0)]
@@ -397,6 +401,7 @@ macro_rules! cuda_backend {
             fit_sequences: false,
             use_graphs: true,
             prefill_chunk: lily::backend::cuda::DEFAULT_PREFILL_CHUNK,
+            fold_router: true,
         };
         let $backend = lily::backend::cuda::CudaBackend::new(&$model, opts)?;
         $body
@@ -524,6 +529,7 @@ fn run(cli: Cli) -> Result<()> {
             prompt,
             generate,
             no_graphs,
+            no_router_fold,
             profile_steps,
             critical_path,
             trace,
@@ -556,6 +562,7 @@ fn run(cli: Cli) -> Result<()> {
                 prompt,
                 generate,
                 use_graphs: !no_graphs,
+                no_router_fold,
                 profile_steps,
                 critical_path,
                 trace,
@@ -749,6 +756,7 @@ fn serve_on_cuda(model: Arc<Model>, served: ServedModel, options: ServeOptions) 
         fit_sequences: options.fit_max_batch,
         use_graphs: true,
         prefill_chunk: options.prefill_chunk,
+        fold_router: true,
     };
     lily::server::run(
         served,

@@ -59,6 +59,7 @@ fn cuda(model: &Model, sequences: usize) -> CudaBackend {
         fit_sequences: false,
         use_graphs: true,
         prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        fold_router: true,
     };
     CudaBackend::new(model, opts).expect("CUDA backend starts")
 }
@@ -165,6 +166,7 @@ fn decode_runs_choose_the_step_by_step_ids() {
             fit_sequences: false,
             use_graphs: true,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            fold_router: true,
         },
     )
     .unwrap();
@@ -267,6 +269,7 @@ fn context_limit_is_an_error() {
             fit_sequences: false,
             use_graphs: true,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            fold_router: true,
         },
     )
     .unwrap();
@@ -329,6 +332,7 @@ fn spare_slots_add_to_the_pool_of_states() {
         fit_sequences: false,
         use_graphs: true,
         prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        fold_router: true,
     };
     let gpu = CudaBackend::new(&model, opts).unwrap();
     assert_eq!(gpu.max_states(), Some(3));
@@ -1017,6 +1021,7 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
                 fit_sequences: false,
                 use_graphs: true,
                 prefill_chunk: 1024,
+                fold_router: true,
             },
         )
         .unwrap();
@@ -1047,6 +1052,7 @@ fn single_token_prefill_chunks_hand_their_conv_inputs_to_decode() {
                 fit_sequences: false,
                 use_graphs: true,
                 prefill_chunk: 8,
+                fold_router: true,
             },
         )
         .unwrap();
@@ -1054,6 +1060,53 @@ fn single_token_prefill_chunks_hand_their_conv_inputs_to_decode() {
             let prompt: Vec<u32> = (0..len).map(|i| (i * 31 + 7) % vocab).collect();
             let label = format!("{}, {len}-token prompt in chunks of 8", dir.display());
             prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::Last, 4, &label);
+        }
+    }
+}
+
+/// Decode with the router's own launch (`CudaOptions::fold_router` off, as a layer whose fold
+/// does not fit in shared memory decodes), one sequence and a batch, on bf16 and 4-bit weights:
+/// the router folded into the mixer's output projection is what every other decode test runs.
+#[test]
+fn unfolded_router_decodes_like_the_cpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = [
+        fixtures()[0].clone(),
+        quantized_fixture(&tmp.path().join("q4"), 4, 64),
+    ];
+    for dir in dirs {
+        let model = Arc::new(Model::load(&dir).unwrap());
+        let vocab = model.config.vocab_size as u32;
+        let gpu = CudaBackend::new(
+            &model,
+            CudaOptions {
+                max_context: 128,
+                max_sequences: 4,
+                spare_sequences: 0,
+                fit_sequences: false,
+                use_graphs: true,
+                prefill_chunk: DEFAULT_PREFILL_CHUNK,
+                fold_router: false,
+            },
+        )
+        .unwrap();
+        let prompt: Vec<u32> = (0..23).map(|i| (i * 37 + 5) % vocab).collect();
+        let label = format!("{}, router unfolded", dir.display());
+        prefill_then_decode_against_cpu(&model, &gpu, &prompt, LogitsFor::Last, 4, &label);
+        // A batch of two: the batched kernels' router path, against each sequence decoded alone.
+        let (mut a, mut b) = (gpu.new_state().unwrap(), gpu.new_state().unwrap());
+        let next = argmax(&gpu.prefill(&mut a, &prompt, LogitsFor::Last).unwrap());
+        gpu.prefill(&mut b, &prompt, LogitsFor::Last).unwrap();
+        let mut alone = gpu.fork(&a).unwrap();
+        let batch = gpu.decode(&mut [&mut a, &mut b], &[next, next]).unwrap();
+        let want = gpu.decode(&mut [&mut alone], &[next]).unwrap();
+        let vocab = vocab as usize;
+        for row in 0..2 {
+            let err = relative_error(&batch[row * vocab..(row + 1) * vocab], &want);
+            assert!(
+                err < 1e-3,
+                "{label}: batch row {row} differs from the sequence alone by {err}"
+            );
         }
     }
 }

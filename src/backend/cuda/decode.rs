@@ -13,12 +13,13 @@ use super::gemm::on_tensor_cores;
 use super::prefill::GroupedExperts;
 use super::shapes::{
     ARGMAX_BLOCKS, ATTENTION_SPLITS, ATTENTION_WARPS, AttentionDims, COMBINE_DIMS, COMBINE_PARTS,
-    DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetShape, GATE_UP_ROWS_PER_WARP, MATVEC_THREADS,
-    MoeDims, SAMPLE_SCAN_THREADS, SAMPLE_THREADS, attention_split_blocks_per_split,
-    attention_split_smem, gate_up_warps, mma_takes, moe_down_staged_bytes, moe_slot_width,
-    moe_stages_act, moe_token_blocks, sample_slices, staged_bytes, staged_floats_bits,
+    DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetShape, FOLD_ROWS, GATE_UP_ROWS_PER_WARP,
+    MATVEC_BLOCKS_PER_SM, MATVEC_THREADS, MoeDims, SAMPLE_SCAN_THREADS, SAMPLE_THREADS,
+    attention_split_blocks_per_split, attention_split_smem, gate_up_warps, mma_takes,
+    moe_down_staged_bytes, moe_slot_width, moe_stages_act, moe_token_blocks, sample_slices,
+    shared_slice_bytes, staged_bytes, staged_floats_bits,
 };
-use super::weights::{self, DeviceMixer, ptr};
+use super::weights::{self, DeviceMixer, FoldDesc, RouterFold, ptr};
 use super::{
     AttentionBuffers, AttentionSeqs, AttentionSplits, BatchTables, CudaBackend, DeltaNetParams,
     MmaRows, MoeBuffers, NO_BATCH_CONTEXT, ONE_TOKEN, Slot, StepEnd, arg, cfg,
@@ -60,6 +61,15 @@ impl StepSeqs<'_> {
             Self::Batch(tables, _) => (0, tables.column(field(tables), s)),
         }
     }
+}
+
+/// A layer's router folded into its mixer's output projection (`out_proj_route` in moe.cu):
+/// the fold, and what it multiplies: the mixer's output `core` and the residual stream
+/// `before` the projection was added.
+pub(super) struct FoldedRouter<'a> {
+    fold: &'a RouterFold,
+    core: u64,
+    before: u64,
 }
 
 impl CudaBackend {
@@ -116,8 +126,14 @@ impl CudaBackend {
         let grouped = (self.groups_decode_experts(rows) && matches!(seqs, StepSeqs::Batch(..)))
             .then_some(&self.grouped_experts);
 
+        // The layers whose router is folded into the mixer's output projection write the
+        // residual stream from one buffer to the other there (see `mixer_output`).
+        let (mut x, mut x_spare) = (x, p(&sc.x_next));
         let (mut attn_i, mut gdn_i) = (0, 0);
         for layer in &m.layers {
+            let fold = layer.router_fold.as_ref();
+            // The residual stream before the mixer's output is added (the folded router's input).
+            let before = x;
             match &layer.mixer {
                 DeviceMixer::DeltaNet {
                     in_proj,
@@ -133,14 +149,16 @@ impl CudaBackend {
                         x,
                         Some(p(&layer.input_norm)),
                         proj,
-                        false,
+                        None,
                         rows,
                     )?;
                     let weights = [conv_w, a_log, dt_bias, norm];
                     let gdn_layer =
                         DeltaNetParams::new(&gdn_dims, weights, seqs, gdn_i, proj, core, s);
                     self.deltanet_step(&gdn_layer, 1, rows)?;
-                    self.matvec("out_proj", out_proj, core, None, x, true, rows)?;
+                    let roles = ("out_proj", "out_proj_route");
+                    let stream = (&mut x, &mut x_spare);
+                    self.mixer_output(roles, out_proj, fold, core, stream, &moe_buffers, rows)?;
                     gdn_i += 1;
                 }
                 DeviceMixer::Attention {
@@ -149,7 +167,7 @@ impl CudaBackend {
                     q_norm,
                     k_norm,
                 } => {
-                    self.matvec("qkv", qkv, x, Some(p(&layer.input_norm)), proj, false, rows)?;
+                    self.matvec("qkv", qkv, x, Some(p(&layer.input_norm)), proj, None, rows)?;
                     let norms = [q_norm, k_norm];
                     let q = p(&sc.q);
                     let mut attn = AttentionBuffers::new(norms, seqs, attn_i, proj, q, core, s);
@@ -160,11 +178,14 @@ impl CudaBackend {
                         out: p(&sc.part_out),
                     };
                     self.attention(&attn_dims, &attn, &splits, rows)?;
-                    self.matvec("o_proj", o_proj, core, None, x, true, rows)?;
+                    let roles = ("o_proj", "o_proj_route");
+                    let stream = (&mut x, &mut x_spare);
+                    self.mixer_output(roles, o_proj, fold, core, stream, &moe_buffers, rows)?;
                     attn_i += 1;
                 }
             }
-            self.moe(layer, &moe_buffers, x, rows, grouped)?;
+            let folded = fold.map(|fold| FoldedRouter { fold, core, before });
+            self.moe(layer, &moe_buffers, x, rows, grouped, folded)?;
         }
         let logits = p(&sc.logits);
         self.matvec(
@@ -173,7 +194,7 @@ impl CudaBackend {
             x,
             Some(p(&m.final_norm)),
             logits,
-            false,
+            None,
             rows,
         )?;
         let n = c.vocab_size as i32;
@@ -581,10 +602,88 @@ impl CudaBackend {
         (GROUPED_DECODE_MIN_TOKENS..=self.prefill_chunk).contains(&rows)
     }
 
+    /// The mixer's output projection `w` of `core`, added to the residual stream `stream.0`:
+    /// in place (`roles.0`), or, where the layer's router is folded (`fold`), into the spare
+    /// buffer `stream.1`, which then holds the stream (the two swapped), so that the folded
+    /// router can still read the stream as it was: one token's `out_proj_route` (`roles.1`)
+    /// computes the router's raw logits in the same launch, a batch's `moe_router_shared`
+    /// after it.
+    #[allow(clippy::too_many_arguments)]
+    fn mixer_output(
+        &self,
+        roles: (&'static str, &'static str),
+        w: &weights::DeviceWeight,
+        fold: Option<&RouterFold>,
+        core: u64,
+        stream: (&mut u64, &mut u64),
+        b: &MoeBuffers,
+        rows: usize,
+    ) -> Result<()> {
+        let (x, spare) = stream;
+        let Some(fold) = fold else {
+            return self.matvec(roles.0, w, core, None, *x, Some(*x), rows);
+        };
+        if rows > 1 {
+            self.matvec(roles.0, w, core, None, *spare, Some(*x), rows)?;
+            std::mem::swap(x, spare);
+            return Ok(());
+        }
+        let s = &self.stream;
+        let (o, f) = (w.desc(s), fold.desc(s));
+        let fold_blocks = fold.rows.div_ceil(FOLD_ROWS);
+        let warps = MATVEC_THREADS as usize / 32;
+        let out_blocks = w
+            .rows
+            .div_ceil(warps)
+            .min(self.num_sms as usize * MATVEC_BLOCKS_PER_SM);
+        let blocks = (fold_blocks + out_blocks) as u32;
+        let smem = staged_bytes(&[w.cols]);
+        let fold_blocks = fold_blocks as i32;
+        let (raw, ready) = (b.router_logits, self.routing_ready_of(b, 1));
+        // SAFETY: core holds w.cols floats, both residual buffers hidden floats, router_logits
+        // experts + 1; the fold is [router rows, w.cols + hidden] (router_folds); the staging of
+        // core takes `smem` bytes (checked against the limit at construction); ready (when not
+        // 0) is one word.
+        unsafe {
+            self.launch(
+                roles.1,
+                &self.k.out_proj_route,
+                cfg(blocks, 1, MATVEC_THREADS, smem),
+                &mut [
+                    arg(&o),
+                    arg(&f),
+                    arg(&core),
+                    arg(x),
+                    arg(spare),
+                    arg(&raw),
+                    arg(&fold_blocks),
+                    arg(&ready),
+                ],
+            )
+        }?;
+        std::mem::swap(x, spare);
+        Ok(())
+    }
+
+    /// `routing_ready` where one token's `moe_gate_up` publishes the routing early (its
+    /// routed input staged for `moe_down`), else 0.
+    fn routing_ready_of(&self, b: &MoeBuffers, tokens: usize) -> u64 {
+        let format = self.k.expert_format;
+        if tokens == 1 && b.routed_staged != 0 && moe_stages_act(&self.config, format) {
+            b.routing_ready
+        } else {
+            0
+        }
+    }
+
     /// The MoE block of a layer for `tokens` rows of the residual `x`, added to it, through the
     /// decode kernels (the tokens along the grid's z dimension); `b` holds a row per token.
     /// With `grouped` (a large decode batch), the routed experts go through prefill's grouped
-    /// products in that scratch instead, where their weights allow.
+    /// products in that scratch instead, where their weights allow. With `folded`, the
+    /// layer's router folded into the mixer's output projection: for one token its raw logits
+    /// are already in `b.router_logits` (`out_proj_route`); for several, `moe_router_shared`
+    /// computes them from the mixer's output and the stream before it, bit for bit as one
+    /// token's launch does, and `moe_route` scales them as one token's `moe_gate_up` does.
     pub(super) fn moe(
         &self,
         layer: &weights::DeviceLayer,
@@ -592,6 +691,7 @@ impl CudaBackend {
         x: u64,
         tokens: usize,
         grouped: Option<&GroupedExperts>,
+        folded: Option<FoldedRouter>,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
         let post = ptr(&layer.post_norm, s);
@@ -607,54 +707,75 @@ impl CudaBackend {
         let smem = staged_bytes(&[c.hidden_size]);
         let warps = MATVEC_THREADS as usize / 32;
         let gate_up_blocks = |rows: usize| rows.div_ceil(warps * GATE_UP_ROWS_PER_WARP);
-        let blocks = layer
-            .router
-            .rows
-            .div_ceil(warps)
-            .max(gate_up_blocks(c.shared_expert_intermediate_size)) as u32;
-        let mut launch = cfg(blocks, 2, MATVEC_THREADS, smem);
-        launch.grid_dim.2 = tokens as u32;
         // One token: blocks of gate_up_warps warps, which write moe_down's routed input already
         // staged where the experts' format allows, and then publish the routing early.
         let format = self.k.expert_format;
-        let staged = if tokens == 1 && b.routed_staged != 0 && moe_stages_act(c, format) {
-            b.routed_staged
+        let ready = self.routing_ready_of(b, tokens);
+        let staged = if ready != 0 { b.routed_staged } else { 0 };
+        if folded.is_none() || tokens > 1 {
+            // The router's rows (or the folded router's), and the shared expert's.
+            let (fold, mixed, before, router_blocks) = match &folded {
+                Some(f) => (
+                    f.fold.desc(s),
+                    f.core,
+                    f.before,
+                    f.fold.rows.div_ceil(FOLD_ROWS),
+                ),
+                None => (FoldDesc::none(), 0, 0, layer.router.rows.div_ceil(warps)),
+            };
+            let blocks = router_blocks.max(gate_up_blocks(c.shared_expert_intermediate_size));
+            let mut launch = cfg(blocks as u32, 2, MATVEC_THREADS, smem);
+            launch.grid_dim.2 = tokens as u32;
+            // SAFETY: per token, router_logits holds experts + 1 floats, act (top_k + 1) *
+            // inter; ready (when not 0) is one word; with the fold, mixed and before hold a row
+            // of fold.cols - hidden and of hidden floats per token.
+            unsafe {
+                self.launch(
+                    "moe_router_shared",
+                    &self.k.moe_router_shared,
+                    launch,
+                    &mut [
+                        arg(&dims),
+                        arg(&r),
+                        arg(&fold),
+                        arg(&sg),
+                        arg(&su),
+                        arg(&x),
+                        arg(&post),
+                        arg(&mixed),
+                        arg(&before),
+                        arg(&router),
+                        arg(&act),
+                        arg(&ready),
+                    ],
+                )
+            }?;
+        }
+        let routed_blocks = gate_up_blocks(c.moe_intermediate_size) as u32;
+        if tokens > 1 {
+            let scale_from = if folded.is_some() { x } else { 0 };
+            let blocks = (routed_blocks, scale_from);
+            return self.moe_tokens(layer, &dims, b, x, tokens, blocks, grouped);
+        }
+        let folded = folded.is_some();
+        let warps = gate_up_warps(format);
+        let row_blocks = c
+            .moe_intermediate_size
+            .div_ceil(warps * GATE_UP_ROWS_PER_WARP);
+        let blocks = row_blocks * c.num_experts_per_tok;
+        // Folded: the shared expert's slice after the staged input (shared_slice_bytes).
+        let slice = if folded {
+            shared_slice_bytes(c, layer.gate.format(), blocks) as u32
         } else {
             0
         };
-        let ready = if staged != 0 { b.routing_ready } else { 0 };
-        // SAFETY: per token, router_logits holds experts + 1 floats, act (top_k + 1) * inter;
-        // ready (when not 0) is one word.
-        unsafe {
-            self.launch(
-                "moe_router_shared",
-                &self.k.moe_router_shared,
-                launch,
-                &mut [
-                    arg(&dims),
-                    arg(&r),
-                    arg(&sg),
-                    arg(&su),
-                    arg(&x),
-                    arg(&post),
-                    arg(&router),
-                    arg(&act),
-                    arg(&ready),
-                ],
-            )
-        }?;
-        let routed_blocks = gate_up_blocks(c.moe_intermediate_size) as u32;
-        if tokens > 1 {
-            return self.moe_tokens(layer, &dims, b, x, tokens, routed_blocks, grouped);
-        }
-        let warps = gate_up_warps(format);
         let launch = cfg(
-            c.moe_intermediate_size
-                .div_ceil(warps * GATE_UP_ROWS_PER_WARP) as u32,
+            row_blocks as u32,
             c.num_experts_per_tok as u32,
             (warps * 32) as u32,
-            smem,
+            smem + slice,
         );
+        let folded = folded as i32;
         // SAFETY: as above; ids and weights hold top_k + 1 entries, `staged` (when not 0) the
         // staged layout of top_k * intermediate values.
         unsafe {
@@ -666,6 +787,8 @@ impl CudaBackend {
                     arg(&dims),
                     arg(&g),
                     arg(&u),
+                    arg(&sg),
+                    arg(&su),
                     arg(&x),
                     arg(&post),
                     arg(&router),
@@ -674,6 +797,7 @@ impl CudaBackend {
                     arg(&weights),
                     arg(&staged),
                     arg(&ready),
+                    arg(&folded),
                 ],
             )
         }?;
@@ -687,6 +811,8 @@ impl CudaBackend {
     /// With `grouped` and expert weights that `experts_group` takes, the routed experts
     /// go through prefill's grouped products instead, and `matvec_mma` adds the shared
     /// expert's term for all the tokens at once.
+    /// `blocks`: the routed blocks along x, and where the router is folded the residual stream
+    /// whose 1 / rms scales its raw logits (else 0).
     #[allow(clippy::too_many_arguments)]
     fn moe_tokens(
         &self,
@@ -695,13 +821,15 @@ impl CudaBackend {
         b: &MoeBuffers,
         x: u64,
         tokens: usize,
-        routed_blocks: u32,
+        blocks: (u32, u64),
         grouped: Option<&GroupedExperts>,
     ) -> Result<()> {
         let (c, s) = (&self.config, &self.stream);
+        let (routed_blocks, scale_from) = blocks;
         let (router, act, ids, weights) = (b.router_logits, b.act, b.ids, b.weights);
         let (splits, split_stride) = (1i32, 0usize);
-        // SAFETY: router_logits holds experts + 1 floats per token, ids and weights top_k + 1.
+        // SAFETY: router_logits holds experts + 1 floats per token, ids and weights top_k + 1;
+        // scale_from (when not 0) a row of hidden floats per token.
         unsafe {
             self.launch(
                 "moe_route",
@@ -712,6 +840,7 @@ impl CudaBackend {
                     arg(&router),
                     arg(&splits),
                     arg(&split_stride),
+                    arg(&scale_from),
                     arg(&ids),
                     arg(&weights),
                 ],
@@ -733,7 +862,7 @@ impl CudaBackend {
                 &layer.shared_down,
                 shared,
                 x,
-                true,
+                Some(x),
                 tokens,
                 self.scratch.mma_staging(s),
             );

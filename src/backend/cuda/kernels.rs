@@ -85,6 +85,9 @@ pub fn kernel_names(module: &str) -> &'static [&'static str] {
         ],
         "moe" => &[
             "moe_router_shared",
+            "fold_router",
+            "fold_to_half",
+            "out_proj_route",
             "moe_gate_up",
             "moe_down",
             "moe_down_batched",

@@ -12,7 +12,7 @@ use crate::model::Matrix;
 
 impl CudaBackend {
     /// y = W · (x, RMS-normalised by `norm` when given) for `tokens` consecutive rows of x and y;
-    /// added to y when `accumulate`. One token, or weights `matvec_mma` does not take: the
+    /// with `add`, y = add + W · x (rows as y's; `add` may be y itself). One token, or weights `matvec_mma` does not take: the
     /// integer-dot mat-vec, a grid row per token; several: `matvec_mma` on tensor cores, each
     /// weight row read once per MMA_TOKENS tokens, its inputs staged in the decode scratch.
     /// At most one wave of persistent blocks. `role` names the launch (the weight's part in the
@@ -25,11 +25,11 @@ impl CudaBackend {
         x: u64,
         norm: Option<u64>,
         y: u64,
-        accumulate: bool,
+        add: Option<u64>,
         tokens: usize,
     ) -> Result<()> {
         let staging = self.scratch.mma_staging(&self.stream);
-        self.matvec_staged(role, w, x, norm, y, accumulate, tokens, staging)
+        self.matvec_staged(role, w, x, norm, y, add, tokens, staging)
     }
 
     /// `matvec` with `matvec_mma`'s inputs staged in `staging` (prefill's own scratch: a prefill
@@ -42,7 +42,7 @@ impl CudaBackend {
         x: u64,
         norm: Option<u64>,
         y: u64,
-        accumulate: bool,
+        add: Option<u64>,
         tokens: usize,
         staging: MmaStaging,
     ) -> Result<()> {
@@ -50,7 +50,7 @@ impl CudaBackend {
         let desc = w.desc(s);
         let norm = norm.unwrap_or(0);
         let eps = self.config.rms_norm_eps;
-        let acc = accumulate as i32;
+        let acc = add.unwrap_or(0);
         let warps = MATVEC_THREADS as usize / 32;
         // The integer-dot kernels for one token and for a few: two rows per warp pass for short rows.
         let rows_per_warp = matvec_rows_per_warp(w.cols, w.bits);
@@ -107,7 +107,7 @@ impl CudaBackend {
                 norm,
                 weight: None,
             };
-            return self.matvec_mma(role, w, rows, y, accumulate, tokens, staging);
+            return self.matvec_mma(role, w, rows, y, add, tokens, staging);
         }
         let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
         let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
@@ -146,7 +146,7 @@ impl CudaBackend {
         w: &DeviceWeight,
         rows: MmaRows,
         y: u64,
-        accumulate: bool,
+        add: Option<u64>,
         tokens: usize,
         staging: MmaStaging,
     ) -> Result<()> {
@@ -184,7 +184,7 @@ impl CudaBackend {
         let resident = (self.num_sms as usize * per_sm).div_ceil(block_rows);
         let (tiles, ksplit) = mma_split(w.rows, w.cols, w.bits, resident * warps);
         let blocks = tiles.div_ceil(warps / ksplit).min(resident);
-        let (acc, tokens32, ksplit32) = (accumulate as i32, tokens as i32, ksplit as i32);
+        let (acc, tokens32, ksplit32) = (add.unwrap_or(0), tokens as i32, ksplit as i32);
         // SAFETY: staging holds `padded` rows of `stride` halves and their scales (checked
         // above), y `tokens` rows of w.rows; the weights are of a layout matvec_mma takes
         // (mma_takes), its staging in mma_smem bytes.
@@ -269,7 +269,7 @@ impl CudaBackend {
             ptr(&x_dev, s),
             None,
             ptr(&y, s),
-            false,
+            None,
             1,
         )?;
         Ok(s.clone_dtoh(&y)?)

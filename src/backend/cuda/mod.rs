@@ -49,7 +49,7 @@ use self::matvec::{MmaRows, MmaStaging};
 pub use self::sequences::CudaState;
 use self::sequences::{BatchSteps, BatchTables, Slot, StepEnd};
 use self::shapes::*;
-use self::weights::{DeviceModel, ScaleFormat, WeightFormat, ptr};
+use self::weights::{DeviceLayer, DeviceModel, ScaleFormat, WeightFormat, ptr};
 use super::{Backend, DeviceDraw, LogitsFor, MixedStep, PenaltyHistory};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::Model;
@@ -292,6 +292,9 @@ struct Kernels {
     attention_combine: CudaFunction,
     attention_prefill: CudaFunction,
     moe_router_shared: CudaFunction,
+    fold_router: CudaFunction,
+    fold_to_half: CudaFunction,
+    out_proj_route: CudaFunction,
     moe_gate_up: CudaFunction,
     moe_down: CudaFunction,
     moe_down_batched: CudaFunction,
@@ -316,6 +319,9 @@ struct Kernels {
 /// slots), shared by all steps (they run one after another).
 struct Scratch {
     x: CudaSlice<f32>,
+    /// The residual stream's other buffer: a one-token step whose router is folded into the
+    /// mixer's output projection writes the stream from one to the other (`out_proj_route`).
+    x_next: CudaSlice<f32>,
     proj: CudaSlice<f32>,
     core: CudaSlice<f32>,
     q: CudaSlice<f32>,
@@ -482,6 +488,10 @@ pub struct CudaOptions {
     /// scratch memory (about 0.17 GB per 1,024 tokens at full size) and hold up the decode
     /// steps of other sequences longer.
     pub prefill_chunk: usize,
+    /// Fold each layer's router into its mixer's output projection for decode (one dependent
+    /// launch fewer per layer; see `out_proj_route` in moe.cu). Off: the router's own launch,
+    /// as layers whose fold does not fit take anyway (for comparisons).
+    pub fold_router: bool,
 }
 
 /// Device memory that spare sequence slots leave free (for the driver, graphs and other
@@ -644,6 +654,9 @@ impl CudaBackend {
             attention_combine: get("attention_combine")?,
             attention_prefill: get("attention_prefill")?,
             moe_router_shared: get("moe_router_shared")?,
+            fold_router: get("fold_router")?,
+            fold_to_half: get("fold_to_half")?,
+            out_proj_route: get("out_proj_route")?,
             moe_gate_up: get("moe_gate_up")?,
             moe_down: get("moe_down")?,
             moe_down_batched: get("moe_down_batched")?,
@@ -673,6 +686,7 @@ impl CudaBackend {
             &k.matvec_mma[1],
             &k.matvec_mma[2],
             &k.moe_router_shared,
+            &k.out_proj_route,
             &k.moe_gate_up,
             &k.moe_down,
             &k.moe_down_batched,
@@ -763,6 +777,20 @@ impl CudaBackend {
                 && moe_down_staged_bytes(c) as usize <= MAX_DYNAMIC_SHARED_BYTES,
             "layer widths too large for the CUDA kernels' shared-memory staging"
         );
+        // Decode folds each layer's router into its mixer's output projection where
+        // moe_gate_up's slice of the shared expert fits beside its staged input.
+        let mut model = model;
+        let gate_up_blocks = c
+            .moe_intermediate_size
+            .div_ceil(gate_up_warps(k.expert_format) * GATE_UP_ROWS_PER_WARP)
+            * c.num_experts_per_tok;
+        let fits = |l: &DeviceLayer| {
+            let slice = shared_slice_bytes(c, l.gate.format(), gate_up_blocks);
+            staged_bytes(&[c.hidden_size]) as usize + slice <= MAX_DYNAMIC_SHARED_BYTES
+        };
+        if opts.fold_router {
+            model.fold_routers(&stream, [&k.fold_router, &k.fold_to_half], fits)?;
+        }
         ensure!(
             sample_slices(c.vocab_size).is_some(),
             "vocab_size {} is too large for the CUDA sampler (at most {})",
@@ -777,6 +805,7 @@ impl CudaBackend {
         let z = |n: usize| stream.alloc_zeros::<f32>((n * rows).max(1));
         let scratch = Scratch {
             x: z(c.hidden_size)?,
+            x_next: z(c.hidden_size)?,
             proj: z(proj)?,
             core: z(c.linear_value_dim().max(heads_hd))?,
             q: z(heads_hd)?,
@@ -891,7 +920,8 @@ impl CudaBackend {
 
     /// Bytes one decode step reads or writes at `context` positions: every weight except the
     /// routed experts, top-k / experts of those, one embedding row, the DeltaNet states (read
-    /// and written) and the KV cache up to `context`.
+    /// and written) and the KV cache up to `context`; where a layer's router is folded into its
+    /// mixer's output projection, the fold instead of the router.
     pub fn decode_bytes_per_token(&self, context: usize) -> usize {
         let c = &self.config;
         let m = &self.model;
@@ -915,7 +945,13 @@ impl CudaBackend {
             * c.linear_key_head_dim
             * c.linear_value_head_dim;
         let kv = attn_layers * 2 * 2 * context * c.num_key_value_heads * c.head_dim;
-        m.bytes() - experts - m.embed.bytes() + routed + embed_row + state + kv
+        let unread_routers: usize = m
+            .layers
+            .iter()
+            .filter(|l| l.router_fold.is_some())
+            .map(|l| l.router.bytes())
+            .sum();
+        m.bytes() - experts - m.embed.bytes() - unread_routers + routed + embed_row + state + kv
     }
 
     /// Measures device-to-device copy bandwidth (bytes read + written per second).
@@ -1327,6 +1363,7 @@ mod tests {
             fit_sequences,
             use_graphs: true,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            fold_router: true,
         };
         assert_eq!(sequence_slots(&opts(false), gb, 40 * gb).unwrap(), 32);
         assert_eq!(sequence_slots(&opts(true), gb, 40 * gb).unwrap(), 32);
@@ -1359,6 +1396,7 @@ mod tests {
             fit_sequences: false,
             use_graphs: true,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            fold_router: true,
         };
         let Err(err) = CudaBackend::synthetic(&config, WeightFormat::Bf16, opts) else {
             panic!("a CUDA backend started without the driver");

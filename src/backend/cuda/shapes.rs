@@ -337,6 +337,29 @@ pub(super) fn gate_up_warps(format: Option<WeightFormat>) -> usize {
     }
 }
 
+/// Router rows per block of `out_proj_route`'s folded router (`FOLD_ROWS` in moe.cu).
+pub(super) const FOLD_ROWS: usize = 2;
+
+/// Router rows per block of `fold_router`, which makes the folded router at load
+/// (`FOLD_TILE` in moe.cu).
+pub(super) const FOLD_TILE: usize = 8;
+
+/// Bytes of shared memory the shared expert's slice takes after the staged input in one
+/// token's `moe_gate_up` with the router folded (`SharedSlice` in moe.cu), for experts of
+/// `format` and a grid of `blocks` blocks: the gate and up rows of `per` intermediates, their
+/// scales and biases (quantised) and their 2 * per results.
+pub(super) fn shared_slice_bytes(c: &ModelConfig, format: WeightFormat, blocks: usize) -> usize {
+    let per = c.shared_expert_intermediate_size.div_ceil(blocks.max(1));
+    let h = c.hidden_size;
+    let (bits, scale_bytes) = match format {
+        WeightFormat::Bf16 => (16, 0),
+        WeightFormat::Affine { bits, group } => {
+            (bits, (2 * per * (h / group) * 2).next_multiple_of(16))
+        }
+    };
+    2 * per * (h * bits / 8) + 2 * scale_bytes + 2 * per * 4
+}
+
 /// Whether one token's `moe_gate_up` writes `moe_down`'s routed input already staged
 /// (`stage_block_act` in moe.cu), for a module compiled for experts of `format`: 4-bit experts
 /// (16-warp blocks of 32 intermediates, one 32-value chunk of the staged layout) whose

@@ -11,7 +11,11 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use super::shapes::FOLD_TILE;
 use rayon::prelude::*;
 
 use crate::checkpoint::{DType, convert_to_f32};
@@ -162,6 +166,57 @@ pub struct WeightDesc {
 
 // SAFETY: plain old data with the layout of `struct Weight` in common.cuh.
 unsafe impl DeviceRepr for WeightDesc {}
+
+/// A layer's router folded through its mixer's output projection (see `out_proj_route` in
+/// moe.cu): `[experts + 1, mixer output width + hidden]` in fp16, each row times its
+/// power-of-two scale.
+pub struct RouterFold {
+    data: CudaSlice<u8>,
+    row_scale: CudaSlice<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// The kernel-side descriptor of a [`RouterFold`] (`struct Fold` in moe.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FoldDesc {
+    data: u64,
+    row_scale: u64,
+    rows: i32,
+    cols: i32,
+}
+
+// SAFETY: plain old data with the layout of `struct Fold` in moe.cu.
+unsafe impl DeviceRepr for FoldDesc {}
+
+impl FoldDesc {
+    /// No fold (the router's own rows).
+    pub fn none() -> Self {
+        Self {
+            data: 0,
+            row_scale: 0,
+            rows: 0,
+            cols: 0,
+        }
+    }
+}
+
+impl RouterFold {
+    pub fn desc(&self, stream: &CudaStream) -> FoldDesc {
+        FoldDesc {
+            data: ptr(&self.data, stream),
+            row_scale: ptr(&self.row_scale, stream),
+            rows: self.rows as i32,
+            cols: self.cols as i32,
+        }
+    }
+
+    /// Device memory the fold occupies, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.data.len() + self.row_scale.num_bytes()
+    }
+}
 
 pub fn ptr<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     slice.device_ptr(stream).0
@@ -410,6 +465,9 @@ pub struct DeviceLayer {
     pub mixer: DeviceMixer,
     /// Rows: router (experts) | shared-expert gate (1).
     pub router: DeviceWeight,
+    /// The router folded through the mixer's output projection, for decode (`out_proj_route`
+    /// in moe.cu), made by [`DeviceModel::fold_routers`] where the layer allows it.
+    pub router_fold: Option<RouterFold>,
     pub gate: DeviceWeight,
     pub up: DeviceWeight,
     pub down: DeviceWeight,
@@ -419,6 +477,27 @@ pub struct DeviceLayer {
 }
 
 impl DeviceLayer {
+    /// The mixer's output projection (DeltaNet's `out_proj`, attention's `o_proj`).
+    pub fn mixer_output(&self) -> &DeviceWeight {
+        match &self.mixer {
+            DeviceMixer::DeltaNet { out_proj, .. } => out_proj,
+            DeviceMixer::Attention { o_proj, .. } => o_proj,
+        }
+    }
+
+    /// Whether one-token decode can fold the router into the mixer's output projection: the
+    /// fold's rows are whole 16-byte bf16 chunks, and `moe_gate_up`, which then computes the
+    /// shared expert's gate/up from the routed experts' staged input, reads them in the routed
+    /// experts' format.
+    fn router_folds(&self) -> bool {
+        let o = self.mixer_output();
+        o.rows == self.router.cols
+            && o.cols.is_multiple_of(8)
+            && self.router.cols.is_multiple_of(8)
+            && self.shared_gate.format() == self.gate.format()
+            && self.shared_up.format() == self.gate.format()
+    }
+
     /// The expert matrices: routed gate, up, down, then the shared expert's.
     pub fn experts(&self) -> [&DeviceWeight; 6] {
         [
@@ -489,6 +568,7 @@ impl DeviceModel {
                 post_norm: f32s(&l.post_attention_norm)?,
                 mixer,
                 router: upload(&[&m.router, &m.shared_expert_gate])?,
+                router_fold: None,
                 gate: upload(&gate)?,
                 up: upload(&up)?,
                 down: upload(&down)?,
@@ -566,6 +646,7 @@ impl DeviceModel {
                 post_norm: ones(h)?,
                 mixer,
                 router: w(e + 1, h, router_format)?,
+                router_fold: None,
                 gate: w(e * inter, h, format)?,
                 up: w(e * inter, h, format)?,
                 down: w(e * h, inter, format)?,
@@ -580,6 +661,68 @@ impl DeviceModel {
             final_norm: ones(h)?,
             lm_head: w(c.vocab_size, h, format)?,
         })
+    }
+
+    /// Folds each layer's router through its mixer's output projection where the layer allows
+    /// it, for decode's `out_proj_route`: `fold_router` (moe.cu) sums it in f32 on the device,
+    /// `fold_to_half` stores it. `fits`: whether the kernels' shared memory holds what the
+    /// layer's fold needs.
+    pub fn fold_routers(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        kernels: [&CudaFunction; 2],
+        fits: impl Fn(&DeviceLayer) -> bool,
+    ) -> Result<()> {
+        let [fold_router, fold_to_half] = kernels;
+        let mut sums: Option<CudaSlice<f32>> = None;
+        for l in &mut self.layers {
+            if !l.router_folds() || !fits(l) {
+                continue;
+            }
+            let o = l.mixer_output();
+            let (rows, cols) = (l.router.rows, o.cols + l.router.cols);
+            if sums.as_ref().is_none_or(|s| s.len() < rows * cols) {
+                sums = Some(stream.alloc_zeros::<f32>(rows * cols)?);
+            }
+            let f32s = ptr(sums.as_ref().expect("allocated above"), stream);
+            let (router, out_proj) = (l.router.desc(stream), o.desc(stream));
+            let post = ptr(&l.post_norm, stream);
+            let mut b = stream.launch_builder(fold_router);
+            b.arg(&router).arg(&out_proj).arg(&post).arg(&f32s);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    cols.div_ceil(256) as u32,
+                    rows.div_ceil(FOLD_TILE) as u32,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `sums` holds at least rows x cols floats; the router is [rows, hidden] and
+            // the projection [hidden, o.cols] (router_folds), post_norm hidden floats.
+            unsafe { b.launch(cfg) }?;
+            let data = stream.alloc_zeros::<u8>(rows * cols * 2)?;
+            let row_scale = stream.alloc_zeros::<f32>(rows)?;
+            let (out, scale) = (ptr(&data, stream), ptr(&row_scale, stream));
+            let cols32 = cols as i32;
+            let mut b = stream.launch_builder(fold_to_half);
+            b.arg(&f32s).arg(&cols32).arg(&out).arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: one block per row of `sums`, writing that row of `data` (rows x cols fp16
+            // values) and its scale.
+            unsafe { b.launch(cfg) }?;
+            l.router_fold = Some(RouterFold {
+                data,
+                row_scale,
+                rows,
+                cols,
+            });
+        }
+        Ok(())
     }
 
     /// The one format every layer's expert matrices (routed and shared gate, up and down) are
@@ -608,6 +751,7 @@ impl DeviceModel {
         for l in &self.layers {
             total += l.input_norm.num_bytes() + l.post_norm.num_bytes();
             total += l.router.bytes() + l.experts().iter().map(|w| w.bytes()).sum::<usize>();
+            total += l.router_fold.as_ref().map_or(0, RouterFold::bytes);
             total += match &l.mixer {
                 DeviceMixer::DeltaNet {
                     in_proj,

@@ -59,6 +59,17 @@ __device__ __forceinline__ float bf16_to_f32(uint16_t v) {
     return __uint_as_float(((uint32_t)v) << 16);
 }
 
+// Element (row, col) of w as f32 (dequantised): for the few kernels that read single values
+// (the embedding lookup, the router's fold at load time), not the mat-vec paths.
+__device__ __forceinline__ float weight_value(const Weight& w, size_t row, int col) {
+    if (w.bits == 16) return bf16_to_f32(static_cast<const uint16_t*>(w.data)[row * w.cols + col]);
+    const int per_word = 32 / w.bits;
+    const uint32_t word = static_cast<const uint32_t*>(w.data)[(row * w.cols + col) / per_word];
+    const uint32_t q = (word >> (w.bits * (col % per_word))) & ((1u << w.bits) - 1u);
+    const size_t g = row * (w.cols >> w.group_shift) + (col >> w.group_shift);
+    return scale_f32(w.scales[g]) * (float)q + scale_f32(w.biases[g]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

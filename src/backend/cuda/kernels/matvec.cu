@@ -2,31 +2,34 @@
 // the embedding lookup, and the tensor-core product of a batched decode step's tokens
 // (matvec_mma, at the end). The row arithmetic (and matvec_impl) lives in rowdot.cuh.
 
-// y[r] = (W x)[r], or y[r] += (W x)[r] when `accumulate` (residual adds; y is then read before
-// waiting for the previous kernel, which must not have written it). `norm_scale` non-null:
-// x is RMS-normalised and scaled first. Several tokens at once: blockIdx.y is the token, whose x
-// and y rows follow each other (w.cols and w.rows floats apart).
+// y[r] = (W x)[r], or y[r] = add[r] + (W x)[r] when `add` is non-null (residual adds, in place
+// when add is y; add is then read before waiting for the previous kernel, which must not have
+// written it). `norm_scale` non-null: x is RMS-normalised and scaled first. Several tokens at
+// once: blockIdx.y is the token, whose x and y (and add) rows follow each other (w.cols and
+// w.rows floats apart).
 // A warp dots one row at a time, four 16-byte chunks per lane per pass (rows of up to 128 chunks
 // in one pass). Shared memory: 64 + staged_floats(cols) floats. At most 72 registers: the 8-bit
 // path would take 75, which the allocation rounds up to 80 for every format, leaving less room on
 // an SM beside its three blocks (the 4-bit path needs under 72).
 extern "C" __global__ void __maxnreg__(72) matvec(Weight w, const float* x, const float* norm_scale, float eps,
-                                                         float* y, int accumulate) {
+                                                         float* y, const float* add) {
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const size_t t = blockIdx.y;
-    matvec_bits<1, 4>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
+    matvec_bits<1, 4>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, add != nullptr ? add + t * w.rows : nullptr,
+                      smem, blockIdx.x, gridDim.x);
 }
 
 // `matvec` for rows of at most 64 chunks (2,048 4-bit inputs: the hidden size): a warp dots two
 // rows at a time, two chunks of each per lane, so the lanes that would idle on a short row's
 // missing chunks fetch a second row instead (twice the bytes in flight per warp).
 extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows(Weight w, const float* x, const float* norm_scale,
-                                                                  float eps, float* y, int accumulate) {
+                                                                  float eps, float* y, const float* add) {
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const size_t t = blockIdx.y;
-    matvec_bits<2, 2>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, accumulate, smem);
+    matvec_bits<2, 2>(w, x + t * w.cols, norm_scale, eps, y + t * w.rows, add != nullptr ? add + t * w.rows : nullptr,
+                      smem, blockIdx.x, gridDim.x);
 }
 
 // A few tokens per block (a batched decode step of up to MATVEC_TOKENS sequences): each weight
@@ -38,25 +41,25 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows(Weight w, c
 #define MATVEC_TOKENS_BLOCKS 3  // blocks per SM the launch bounds ask for
 #endif
 extern "C" __global__ void __launch_bounds__(256, MATVEC_TOKENS_BLOCKS) matvec_tokens(Weight w, const float* x, const float* norm_scale,
-                                                                float eps, float* y, int accumulate, int tokens,
+                                                                float eps, float* y, const float* add, int tokens,
                                                                 int per_block) {
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const int first = blockIdx.y * per_block;
     matvec_tokens_bits<1, 4, MATVEC_TOKENS>(w, x + (size_t)first * w.cols, norm_scale, eps,
-                                            y + (size_t)first * w.rows, accumulate,
+                                            y + (size_t)first * w.rows, add != nullptr ? add + (size_t)first * w.rows : nullptr,
                                             min(per_block, tokens - first), smem);
 }
 
 // `matvec_tokens` for rows of at most 64 chunks, two rows per warp pass (as matvec_two_rows).
 extern "C" __global__ void __launch_bounds__(256, MATVEC_TOKENS_BLOCKS) matvec_two_rows_tokens(Weight w, const float* x,
                                                                          const float* norm_scale, float eps, float* y,
-                                                                         int accumulate, int tokens, int per_block) {
+                                                                         const float* add, int tokens, int per_block) {
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     const int first = blockIdx.y * per_block;
     matvec_tokens_bits<2, 2, MATVEC_TOKENS>(w, x + (size_t)first * w.cols, norm_scale, eps,
-                                            y + (size_t)first * w.rows, accumulate,
+                                            y + (size_t)first * w.rows, add != nullptr ? add + (size_t)first * w.rows : nullptr,
                                             min(per_block, tokens - first), smem);
 }
 
@@ -78,19 +81,8 @@ extern "C" __global__ void __launch_bounds__(256) embed(Weight w, const int* tok
     const int row = *seq_buffer(token + blockIdx.y, token_of, blockIdx.y);
     const int cols = w.cols;
     x += (size_t)blockIdx.y * cols;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < cols; i += gridDim.x * blockDim.x) {
-        float v;
-        if (w.bits == 16) {
-            v = bf16_to_f32(static_cast<const uint16_t*>(w.data)[(size_t)row * cols + i]);
-        } else {
-            const int per_word = 32 / w.bits;
-            const uint32_t word = static_cast<const uint32_t*>(w.data)[((size_t)row * cols + i) / per_word];
-            const uint32_t q = (word >> (w.bits * (i % per_word))) & ((1u << w.bits) - 1u);
-            const size_t g = (size_t)row * (cols >> w.group_shift) + (i >> w.group_shift);
-            v = scale_f32(w.scales[g]) * (float)q + scale_f32(w.biases[g]);
-        }
-        x[i] = v;
-    }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < cols; i += gridDim.x * blockDim.x)
+        x[i] = weight_value(w, row, i);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -195,7 +187,7 @@ __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks
     }
 }
 
-// y[t] = W x[t] (+= when `accumulate`) for the `tokens` rows of y of a batched decode step, on
+// y[t] = W x[t] (add[t] + W x[t] when `add` is non-null) for the `tokens` rows of y of a batched decode step, on
 // tensor cores, x already staged in fp16 by rows_to_half (the previous launch: row t at
 // staged + t * (cols + 4) halves, zeros up to the grid's last token, each product to be
 // multiplied by scales[t]): block row blockIdx.y takes tokens NT * MMA_TOKENS * blockIdx.y ..
@@ -210,12 +202,13 @@ __device__ __forceinline__ void mma_use(const MmaPass& p, int chunk0, int chunks
 // 32 floats (the tokens' scales), then NT * 8 * 32 * 4 floats (the slices' sums).
 template <int NT>
 __device__ __forceinline__ void matvec_mma_impl(const Weight& w, const __half* staged, const float* scales, float* y,
-                                                int accumulate, int tokens, int ksplit) {
+                                                const float* add, int tokens, int ksplit) {
     extern __shared__ __align__(16) float smem[];
     constexpr int ROWS = NT * MMA_TOKENS;
     const int first = blockIdx.y * ROWS;
     tokens = min(ROWS, tokens - first);
     y += (size_t)first * w.rows;
+    if (add != nullptr) add += (size_t)first * w.rows;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     // Rows of consecutive tokens 2 cols + 8 bytes apart: the 8-byte loads of a warp's 8 tokens
@@ -292,9 +285,9 @@ __device__ __forceinline__ void matvec_mma_impl(const Weight& w, const __half* s
                 for (int i = 0; i < 4; ++i) {
                     const int t = n * MMA_TOKENS + 2 * c + (i & 1), r = row + 8 * (i >> 1);
                     if (t < tokens && r < w.rows) {
-                        float* out = y + (size_t)t * w.rows + r;
+                        const size_t at = (size_t)t * w.rows + r;
                         const float v = acc[n][i] * out_scale[t];
-                        *out = accumulate ? *out + v : v;
+                        y[at] = add != nullptr ? add[at] + v : v;
                     }
                 }
         }
@@ -304,19 +297,19 @@ __device__ __forceinline__ void matvec_mma_impl(const Weight& w, const __half* s
 // matvec_mma_impl for 8, 16 and 32 tokens a block (wider blocks read each weight row once for
 // more tokens, but stage more inputs: mma_block_tiles in mod.rs picks).
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma(Weight w, const __half* staged, const float* scales,
-                                                              float* y, int accumulate, int tokens, int ksplit) {
+                                                              float* y, const float* add, int tokens, int ksplit) {
     TRACE_BLOCK();
-    matvec_mma_impl<1>(w, staged, scales, y, accumulate, tokens, ksplit);
+    matvec_mma_impl<1>(w, staged, scales, y, add, tokens, ksplit);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_mma_16(Weight w, const __half* staged, const float* scales,
-                                                              float* y, int accumulate, int tokens, int ksplit) {
+                                                              float* y, const float* add, int tokens, int ksplit) {
     TRACE_BLOCK();
-    matvec_mma_impl<2>(w, staged, scales, y, accumulate, tokens, ksplit);
+    matvec_mma_impl<2>(w, staged, scales, y, add, tokens, ksplit);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) matvec_mma_32(Weight w, const __half* staged, const float* scales,
-                                                              float* y, int accumulate, int tokens, int ksplit) {
+                                                              float* y, const float* add, int tokens, int ksplit) {
     TRACE_BLOCK();
-    matvec_mma_impl<4>(w, staged, scales, y, accumulate, tokens, ksplit);
+    matvec_mma_impl<4>(w, staged, scales, y, add, tokens, ksplit);
 }

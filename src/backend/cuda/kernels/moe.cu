@@ -137,16 +137,17 @@ __device__ void rank_experts(const MoeDims& d, const float* logits, unsigned lon
 
 // The routing weights of the ranked experts (their softmax renormalised over the top_k, from
 // rank_experts' `chosen` logits) into weights[0..top_k), and, with `shared_gate`, the shared
-// expert's gate sigmoid(logits[experts]) into weights[top_k]; by one warp.
+// expert's gate sigmoid(logits[experts]) into weights[top_k]; by one warp. Every logit is
+// multiplied by `scale` first (the folded router's 1 / rms, see out_proj_route; else 1).
 __device__ void routing_weights(const MoeDims& d, const float* chosen, const float* logits, bool shared_gate,
-                                float* weights) {
+                                float scale, float* weights) {
     const int lane = threadIdx.x & 31;
-    const float v = lane < d.top_k ? chosen[lane] : -INFINITY;
+    const float v = lane < d.top_k ? chosen[lane] * scale : -INFINITY;
     const float top = warp_max(v);
     const float w = lane < d.top_k ? __expf(v - top) : 0.0f;
     const float total = warp_sum(w);
     if (lane < d.top_k) weights[lane] = w / total;
-    if (lane == 0 && shared_gate) weights[d.top_k] = sigmoid(logits[d.experts]);
+    if (lane == 0 && shared_gate) weights[d.top_k] = sigmoid(logits[d.experts] * scale);
 }
 
 // Several tokens at once: a token's rows of the residual stream, router logits, activations and
@@ -179,6 +180,202 @@ __device__ __forceinline__ void await_routing(const unsigned* ready) {
         if (v != 0) return;
         __nanosleep(32);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The router folded into the mixer's output projection (decode). The router reads
+// RMSNorm(h) with h = residual + O m (m the mixer's output, O its output projection), so its
+// logits are
+//     R (post ⊙ h) / rms(h) = ([R diag(post) O | R diag(post)] · [m ; residual]) / rms(h),
+// and the bracket, `fold` ([experts + 1, O.cols + hidden], made once at load by fold_router and
+// fold_to_half), needs only what exists before the projection: the same launch computes those
+// raw logits beside h (out_proj_route), and moe_gate_up, which stages h anyway, applies 1 / rms(h)
+// (the ranking does not change under a positive scale; the routing weights and the shared
+// expert's gate take it). That removes the router's own launch, one dependent hop of each
+// layer's one-token step. Batched steps compute the same raw logits in moe_router_shared, with
+// the same code (fold_rows_*), and moe_route scales them as moe_gate_up does, so that a
+// sequence's results in a small batch stay bit for bit its results alone; prefill keeps the
+// plain router.
+
+#define FOLD_ROWS 2  // folded router rows per block
+#define FOLD_PASS 3  // 16-byte chunks per lane and row in flight
+
+// The folded router on the device: fp16 rows, each to be multiplied by its power-of-two scale.
+// fp16's 11-bit significand keeps the folded logits within ~2e-4 of the router's largest (bf16's
+// 8 bits: ~2e-3, a fifth of the margin below which the tests call routing a tie); the row scale
+// keeps every row inside fp16's range.
+struct Fold {
+    const uint4* data;
+    const float* row_scale;
+    int rows;
+    int cols;
+};
+
+// fold[e] = [(R diag(post) O)[e, :] | (R diag(post))[e, :]] in f32, R = router ([experts + 1,
+// hidden], the shared expert's gate last), O the mixer's output projection ([hidden, O.cols]).
+// Grid: (ceil(fold columns / 256), ceil((experts + 1) / FOLD_TILE)), 256 threads: each thread a
+// column of FOLD_TILE rows, the rows' R diag(post) values shared in blocks of 32 inputs. At load
+// time, in f32 sums; fold_to_half then stores it.
+#define FOLD_TILE 8
+extern "C" __global__ void __launch_bounds__(256) fold_router(Weight router, Weight out_proj, const float* post,
+                                                            float* fold) {
+    __shared__ float rp[FOLD_TILE][32];
+    const int cols = out_proj.cols + router.cols, hidden = router.cols;
+    const int col = blockIdx.x * blockDim.x + threadIdx.x, e0 = blockIdx.y * FOLD_TILE;
+    float acc[FOLD_TILE] = {};
+    for (int i0 = 0; i0 < hidden; i0 += 32) {
+        __syncthreads();
+        for (int k = threadIdx.x; k < FOLD_TILE * 32; k += blockDim.x) {
+            const int e = e0 + k / 32, i = i0 + k % 32;
+            rp[k / 32][k % 32] = e < router.rows && i < hidden ? weight_value(router, e, i) * post[i] : 0.0f;
+        }
+        __syncthreads();
+        if (col >= out_proj.cols) continue;
+        for (int i = i0; i < min(i0 + 32, hidden); ++i) {
+            const float o = weight_value(out_proj, i, col);
+#pragma unroll
+            for (int t = 0; t < FOLD_TILE; ++t) acc[t] = fmaf(rp[t][i - i0], o, acc[t]);
+        }
+    }
+    if (col >= cols) return;
+    for (int t = 0; t < FOLD_TILE; ++t) {
+        const int e = e0 + t;
+        if (e >= router.rows) break;
+        const float v = col < out_proj.cols ? acc[t] : weight_value(router, e, col - out_proj.cols) * post[col - out_proj.cols];
+        fold[(size_t)e * cols + col] = v;
+    }
+}
+
+// Row blockIdx.x of the f32 fold as fp16 times a power of two, row_scale[row], chosen so that
+// the row's largest |value| lands in [2^14, 2^15). 256 threads.
+extern "C" __global__ void __launch_bounds__(256) fold_to_half(const float* fold, int cols, __half* out,
+                                                             float* row_scale) {
+    __shared__ float scratch[64];
+    const size_t row = blockIdx.x;
+    fold += row * cols;
+    out += row * cols;
+    float largest = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) largest = fmaxf(largest, fabsf(fold[i]));
+    largest = block_sum_max(make_float2(0.0f, largest), scratch).y;
+    // 2^(e - 15) with largest = m * 2^(e - 1), m in [1, 2): largest / scale in [2^14, 2^15).
+    int e = 0;
+    frexpf(largest, &e);
+    const float scale = largest > 0.0f ? ldexpf(1.0f, e - 15) : 1.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[i] = __float2half_rn(fold[i] / scale);
+    if (threadIdx.x == 0) row_scale[row] = scale;
+}
+
+// One block's folded router rows (FOLD_ROWS of them), their chunks split evenly over the block's
+// warps: requested before the wait, with the residual's part of their inputs.
+struct FoldRows {
+    RowRef refs[FOLD_ROWS];
+    Pass<FOLD_ROWS, FOLD_PASS> pass;
+    float4 z[FOLD_PASS][2];  // the pass's inputs: each chunk's 8 values of z = [m ; residual]
+    int begin, end;          // this warp's chunks
+};
+
+__device__ __forceinline__ void fold_rows_load(const Fold& fold, int block, FoldRows& f) {
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, chunks = fold.cols / 8;
+    const int per_warp = (chunks + warps - 1) / warps;
+    f.begin = min(chunks, warp * per_warp);
+    f.end = min(chunks, f.begin + per_warp);
+#pragma unroll
+    for (int i = 0; i < FOLD_ROWS; ++i) {
+        const int row = block * FOLD_ROWS + i;
+        f.refs[i].data = row < fold.rows ? fold.data + (size_t)row * chunks : nullptr;
+        f.refs[i].scales = f.refs[i].biases = nullptr;
+    }
+    // The rows' 16-byte chunks as load_pass reads bf16 rows (it reads no scales for 16 bits).
+    load_pass<16, FOLD_ROWS, FOLD_PASS>(f.refs, f.begin, f.end, 0, threadIdx.x & 31, f.pass);
+}
+
+// One 16-byte chunk of fp16 weights (8 values) dotted with its 8 inputs (x[0] the first four,
+// x[1] the next four), added to acc.
+__device__ __forceinline__ void half_chunk_dot(uint4 u, const float4 (&x)[2], float& acc) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const float2 a = __half22float2(as_half2(w[2 * k])), b = __half22float2(as_half2(w[2 * k + 1]));
+        acc += x[k].x * a.x + x[k].y * a.y + x[k].z * b.x + x[k].w * b.y;
+    }
+}
+
+// The inputs of this lane's chunks of the pass at `base` (z = [m ; residual], m_cols + hidden
+// values, read straight from global memory: each lane needs only its own chunks' 8 values), of
+// the residual's part (`mixed` false: before the wait) or of m's (written by the previous launch).
+__device__ __forceinline__ void fold_inputs(const float* m, int m_cols, const float* residual, int base, bool mixed,
+                                            FoldRows& f) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < FOLD_PASS; ++j) {
+        const int c = base + j * 32 + lane, i = 8 * c;
+        if (c >= f.end || (i < m_cols) != mixed) continue;
+        const float4* src = reinterpret_cast<const float4*>(mixed ? m + i : residual + (i - m_cols));
+        f.z[j][0] = src[0];
+        f.z[j][1] = src[1];
+    }
+}
+
+// raw[block * FOLD_ROWS + i] = fold row · z, the first pass's weights and inputs in f (the
+// inputs' residual part loaded before the wait, m's after it; later passes load both): each
+// warp's partial sums, added in warp order, so that every launch computing these rows gets the
+// same bits. scratch: warps * FOLD_ROWS floats. Every thread of the block takes part (a barrier).
+__device__ void fold_rows_finish(const Fold& fold, const float* m, int m_cols, const float* residual, int block,
+                                 FoldRows& f, float* scratch, float* raw) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    RowSums<FOLD_ROWS> acc;
+    acc.clear();
+    for (int base = f.begin; base < f.end; base += 32 * FOLD_PASS) {
+        if (base > f.begin) {
+            load_pass<16, FOLD_ROWS, FOLD_PASS>(f.refs, base, f.end, 0, lane, f.pass);
+            fold_inputs(m, m_cols, residual, base, false, f);
+            fold_inputs(m, m_cols, residual, base, true, f);
+        }
+#pragma unroll
+        for (int j = 0; j < FOLD_PASS; ++j) {
+            if (base + j * 32 + lane >= f.end) continue;
+#pragma unroll
+            for (int i = 0; i < FOLD_ROWS; ++i)
+                if (f.refs[i].data != nullptr) half_chunk_dot(f.pass.u[i][j], f.z[j], acc.total[i]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < FOLD_ROWS; ++i) {
+        const float v = warp_sum(acc.total[i]);
+        if (lane == 0) scratch[warp * FOLD_ROWS + i] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < FOLD_ROWS) {
+        const int row = block * FOLD_ROWS + threadIdx.x;
+        float total = 0.0f;
+        for (int w = 0; w < warps; ++w) total += scratch[w * FOLD_ROWS + threadIdx.x];
+        if (row < fold.rows) raw[row] = total * fold.row_scale[row];
+    }
+}
+
+// The mixer's output projection of one token with the router folded in: blocks below
+// fold_blocks (ceil((experts + 1) / FOLD_ROWS)) write the router's raw logits (see above) into
+// router_raw, the others h = residual + O m into h (not in place: the folded rows read the
+// residual as it was, while other blocks write h). Block 0 also clears routing_ready after its
+// wait (moe_router_shared's duty where that launch runs). Grid: (fold_blocks + the projection's
+// blocks), 256 threads. Shared memory: 64 + staged_floats(O.cols) floats (the projection's
+// staging; the folded rows read their inputs straight from global memory).
+extern "C" __global__ void __maxnreg__(72) out_proj_route(Weight o, Fold fold, const float* m, const float* residual,
+                                                        float* h, float* router_raw, int fold_blocks,
+                                                        unsigned* routing_ready) {
+    TRACE_BLOCK();
+    extern __shared__ __align__(16) float smem[];
+    if ((int)blockIdx.x < fold_blocks) {
+        FoldRows f;
+        fold_rows_load(fold, blockIdx.x, f);
+        fold_inputs(m, o.cols, residual, f.begin, false, f);
+        wait_for_previous_kernel();
+        if (routing_ready != nullptr && blockIdx.x == 0 && threadIdx.x == 0) clear_routing_ready(routing_ready);
+        fold_inputs(m, o.cols, residual, f.begin, true, f);
+        fold_rows_finish(fold, m, o.cols, residual, blockIdx.x, f, smem, router_raw);
+        return;
+    }
+    matvec_bits<1, 4>(o, m, nullptr, 0.0f, h, residual, smem, blockIdx.x - fold_blocks, gridDim.x - fold_blocks);
 }
 
 #define GATE_UP_ROWS_PER_WARP 2
@@ -251,13 +448,19 @@ __device__ void shared_gate_up_block(const MoeDims& d, const Weight& g, const We
 // Everything of the MoE block that does not wait for the routing, in one launch: blocks with
 // blockIdx.y == 0 compute the router logits (router: [experts + 1, hidden], the experts' rows
 // then the shared-expert gate's) into router_logits, blocks with blockIdx.y == 1 the shared
-// expert's act[top_k] = silu(gate · x) * (up · x); x = RMSNorm(residual) for both.
-// Grid: (max(router row blocks of 8 warps, shared row blocks of 8 warps * GATE_UP_ROWS_PER_WARP
-// rows), 2, tokens). Shared memory: 64 + staged_floats(hidden) floats.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d, Weight router, Weight shared_gate,
-                                                                    Weight shared_up, const float* residual,
-                                                                    const float* norm_scale, float* router_logits,
-                                                                    float* act, unsigned* routing_ready) {
+// expert's act[top_k] = silu(gate · x) * (up · x); x = RMSNorm(residual) for both. With `fold`
+// (a batched decode step of a layer whose router is folded into the mixer's output projection,
+// see out_proj_route), the router blocks write the raw logits instead, from the mixer's output
+// `mixed` and the residual stream `before` it was added, bit for bit as one token's
+// out_proj_route does.
+// Grid: (max(router row blocks of 8 warps or fold blocks, shared row blocks of 8 warps *
+// GATE_UP_ROWS_PER_WARP rows), 2, tokens). Shared memory: 64 + staged_floats(hidden) floats.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d, Weight router, Fold fold,
+                                                                    Weight shared_gate, Weight shared_up,
+                                                                    const float* residual, const float* norm_scale,
+                                                                    const float* mixed, const float* before,
+                                                                    float* router_logits, float* act,
+                                                                    unsigned* routing_ready) {
     d = moe_shape(d);
     router = moe_weight(router, d.experts + 1, d.hidden);
     shared_gate = expert_weight(shared_gate, d.shared_intermediate, d.hidden);
@@ -269,8 +472,24 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
     router_logits += token * (d.experts + 1);
     act += token * act_width(d);
     if (blockIdx.y == 0) {
-        matvec_bits<1, 4>(router, residual, norm_scale, d.eps, router_logits, 0, smem);
-        // After the wait (in matvec_bits).
+        if (fold.data != nullptr) {
+            const int m_cols = fold.cols - d.hidden;
+            if ((int)blockIdx.x * FOLD_ROWS >= fold.rows) {
+                wait_for_previous_kernel();
+            } else {
+                FoldRows f;
+                fold_rows_load(fold, blockIdx.x, f);
+                mixed += token * m_cols;
+                before += token * d.hidden;
+                fold_inputs(mixed, m_cols, before, f.begin, false, f);
+                wait_for_previous_kernel();
+                fold_inputs(mixed, m_cols, before, f.begin, true, f);
+                fold_rows_finish(fold, mixed, m_cols, before, blockIdx.x, f, smem, router_logits);
+            }
+        } else {
+            matvec_bits<1, 4>(router, residual, norm_scale, d.eps, router_logits, nullptr, smem, blockIdx.x, gridDim.x);
+        }
+        // After the wait.
         if (routing_ready != nullptr && blockIdx.x == 0 && blockIdx.z == 0 && threadIdx.x == 0)
             clear_routing_ready(routing_ready);
         return;
@@ -301,11 +520,112 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
 // for every weight width).
 struct Routing {
     unsigned long long keys[2 * MAX_EXPERTS];
+    float logits[MAX_EXPERTS + 1];  // the folded router's raw logits (see out_proj_route)
     int ids[MAX_TOP_K + 1];
     float chosen[MAX_TOP_K];
     float weights[MAX_TOP_K + 1];
     float act[GATE_UP_BLOCK_ROWS];
 };
+
+// With the router folded into the mixer's output projection there is no moe_router_shared
+// launch, so moe_gate_up also computes the shared expert's gate/up: each block takes a slice of
+// `per` consecutive intermediates (count of them real, from first), whose gate and up rows it
+// copies into shared memory before its wait (cp.async: no registers held) and dots while its
+// routed rows are in flight. The slice in shared memory: 2 * per rows (gate rows, then up rows)
+// of hidden * bits / 8 bytes, then (quantised) their scales, then their biases (2 * per * groups
+// each, in whole 16-byte pieces), then 2 * per f32 results (shared_slice_bytes in shapes.rs).
+struct SharedSlice {
+    int first, count, per;
+};
+
+__device__ __forceinline__ SharedSlice shared_slice(const MoeDims& d) {
+    const int blocks = gridDim.x * gridDim.y, b = blockIdx.y * gridDim.x + blockIdx.x;
+    SharedSlice s;
+    s.per = (d.shared_intermediate + blocks - 1) / blocks;
+    s.first = b * s.per;
+    s.count = max(0, min(s.per, d.shared_intermediate - s.first));
+    return s;
+}
+
+__device__ __forceinline__ int round16(int bytes) { return (bytes + 15) & ~15; }
+
+template <int BITS>
+__device__ __forceinline__ int slice_data_bytes(const MoeDims& d, const SharedSlice& s) {
+    return 2 * s.per * (d.hidden * BITS / 8);
+}
+
+template <int BITS>
+__device__ __forceinline__ int slice_scale_bytes(const MoeDims& d, const SharedSlice& s, int group_shift) {
+    return BITS == 16 ? 0 : round16(2 * s.per * (d.hidden >> group_shift) * (int)sizeof(scale_t));
+}
+
+// The slice's rows into shared memory (cp.async, committed) and their scales and biases (plain
+// loads): before the wait.
+template <int BITS>
+__device__ void shared_slice_copy(const MoeDims& d, const Weight& g, const Weight& u, const SharedSlice& s, char* slice) {
+    const int row_bytes = d.hidden * BITS / 8, pieces = row_bytes / 16;
+    const uint32_t dst = shared_address(slice);
+    for (int i = threadIdx.x; i < 2 * s.per * pieces; i += blockDim.x) {
+        const int r = i / pieces, j = r % s.per;
+        const Weight& w = r < s.per ? g : u;
+        const bool valid = j < s.count;
+        const char* src = static_cast<const char*>(w.data) + (size_t)(valid ? s.first + j : 0) * row_bytes;
+        cp_async_16(dst + 16 * i, src + 16 * (i % pieces), valid);
+    }
+    cp_async_commit();
+    if (BITS != 16) {
+        const int groups = d.hidden >> g.group_shift;
+        scale_t* scales = reinterpret_cast<scale_t*>(slice + slice_data_bytes<BITS>(d, s));
+        scale_t* biases = reinterpret_cast<scale_t*>(slice + slice_data_bytes<BITS>(d, s) +
+                                                     slice_scale_bytes<BITS>(d, s, g.group_shift));
+        for (int i = threadIdx.x; i < 2 * s.per * groups; i += blockDim.x) {
+            const int r = i / groups, j = r % s.per;
+            const Weight& w = r < s.per ? g : u;
+            const size_t at = (size_t)(s.first + j) * groups + i % groups;
+            scales[i] = j < s.count ? w.scales[at] : scale_zero();
+            biases[i] = j < s.count ? w.biases[at] : scale_zero();
+        }
+    }
+}
+
+// Each warp dots rows of the slice (once its copies are complete and x is staged) into the
+// slice's results, times x_scale.
+template <int BITS>
+__device__ void shared_slice_dot(const MoeDims& d, int group_shift, const SharedSlice& s, char* slice, const float* xs,
+                                 float x_scale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    constexpr int VPC = 128 / BITS;
+    const int row_bytes = d.hidden * BITS / 8, chunks = d.hidden / VPC, groups = d.hidden >> group_shift;
+    const int data = slice_data_bytes<BITS>(d, s), scale_bytes = slice_scale_bytes<BITS>(d, s, group_shift);
+    const scale_t* scales = reinterpret_cast<const scale_t*>(slice + data);
+    const scale_t* biases = reinterpret_cast<const scale_t*>(slice + data + scale_bytes);
+    float* out = reinterpret_cast<float*>(slice + data + 2 * scale_bytes);
+    const StagedX sx = staged_x<BITS>(xs, d.hidden);
+    const uint32_t rows = shared_address(slice);
+    for (int r = warp; r < 2 * s.per; r += warps) {
+        float acc = 0.0f;
+        for (int c = lane; c < chunks; c += 32) {
+            uint4 xv[4];
+            load_x<BITS>(sx, c, xv);
+            const float2 stats = BITS == 16 ? make_float2(0.0f, 0.0f) : lds64(sx.csum + 8u * c);
+            const int at = r * groups + ((c * VPC) >> group_shift);
+            chunk_dot<BITS>(lds128(rows + (uint32_t)(r * row_bytes + 16 * c)), xv, stats,
+                            BITS == 16 ? scale_zero() : scales[at], BITS == 16 ? scale_zero() : biases[at], acc);
+        }
+        acc = warp_sum(acc) * x_scale;
+        if (lane == 0) out[r] = acc;
+    }
+}
+
+// act[first + i] = silu(gate) * up of the slice's results (after a barrier that follows
+// shared_slice_dot).
+template <int BITS>
+__device__ void shared_slice_store(const MoeDims& d, int group_shift, const SharedSlice& s, const char* slice,
+                                   float* act) {
+    const float* out = reinterpret_cast<const float*>(slice + slice_data_bytes<BITS>(d, s) +
+                                                      2 * slice_scale_bytes<BITS>(d, s, group_shift));
+    for (int i = threadIdx.x; i < s.count; i += blockDim.x) act[s.first + i] = silu(out[i]) * out[s.per + i];
+}
 
 // This block's activations, times its slot's routing weight, into `staged`: moe_down's routed
 // input (the slots' activations one after another, top_k * intermediate values) in the staged
@@ -331,40 +651,80 @@ __device__ void stage_block_act(const MoeDims& d, const Routing& r, int slot, fl
 // written two launches back), then the routing from the router logits of the previous kernel,
 // then the expert's rows. Block (0, 0) also writes the routing out, while its rows arrive. The
 // activations go to `act` (f32), or with `staged` non-null (16-warp blocks only) weighted into
-// moe_down's staged input (stage_block_act).
+// moe_down's staged input (stage_block_act). `folded` (the router folded into the mixer's output
+// projection, the previous launch, which also wrote the residual): router_logits are raw, ranked
+// as they are; x is staged after the wait, before the ranking, and its 1 / rms scales the routing
+// weights; and the block also computes its slice of the shared expert's gate/up (from shared
+// memory at `slice`).
 template <int BITS>
-__device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const float* residual,
-                                     const float* norm_scale, const float* router_logits, float* xs, float* scratch,
-                                     Routing& r, float* act, int* ids_out, float* weights_out, float* staged,
-                                     unsigned* routing_ready) {
+__device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const Weight& u, const Weight& sg,
+                                     const Weight& su, const float* residual, const float* norm_scale,
+                                     const float* router_logits, float* xs, float* scratch, Routing& r, float* act,
+                                     int* ids_out, float* weights_out, float* staged, unsigned* routing_ready,
+                                     bool folded, char* slice) {
     // Staged as by a block of MOE_WARPS warps: bit for bit the input of moe_gate_up_tokens, so
     // that a batched step's tokens get exactly their one-token activations.
+    constexpr int STAGERS = GATE_UP_WARPS == MOE_WARPS ? 0 : MOE_WARPS * 32;
     const StageSource src = {residual, 0, d.hidden, 1, nullptr};
-    const float x_scale = stage<BITS, GATE_UP_WARPS == MOE_WARPS ? 0 : MOE_WARPS * 32>(src, norm_scale, d.eps, xs, scratch);
-    wait_for_previous_kernel();
-    rank_experts(d, router_logits, r.keys, r.ids, r.chosen);
+    SharedSlice shared = {0, 0, 0};
+    float x_scale = 1.0f;
+    const float* logits = router_logits;
+    if (folded) {
+        shared = shared_slice(d);
+        shared_slice_copy<BITS>(d, sg, su, shared, slice);
+        wait_for_previous_kernel();
+        // Each raw logit stored by the thread that reads it first in rank_experts (entry
+        // `experts`, the shared expert's gate, is read after its barriers).
+        for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) r.logits[e] = router_logits[e];
+        logits = r.logits;
+        // h first: its L2 read is not queued behind the routed rows' HBM requests.
+        x_scale = stage<BITS, STAGERS>(src, norm_scale, d.eps, xs, scratch);
+    } else {
+        x_scale = stage<BITS, STAGERS>(src, norm_scale, d.eps, xs, scratch);
+        wait_for_previous_kernel();
+    }
+    rank_experts(d, logits, r.keys, r.ids, r.chosen);
     const int slot = blockIdx.y;
     const int first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GATE_UP_ROWS_PER_WARP;
     RowRef refs[2 * GATE_UP_ROWS_PER_WARP];
     GateUpPass pass;
     gate_up_refs(g, u, r.ids[slot] * d.intermediate, d.intermediate, first, refs);
     gate_up_load<BITS>(refs, g, pass);
-    // The routing weights: for moe_down from block (0, 0), and where this block stages its
-    // activations (weighted), for itself.
     const bool writes_routing = blockIdx.x == 0 && slot == 0;
-    if (threadIdx.x < 32 && (writes_routing || staged != nullptr)) {
-        routing_weights(d, r.chosen, router_logits, writes_routing, r.weights);
-        __syncwarp();
-        if (writes_routing && threadIdx.x <= d.top_k) {
-            weights_out[threadIdx.x] = r.weights[threadIdx.x];
+    if (folded) {
+        // The ids go out to moe_down now (it reads the weights only after its wait); the shared
+        // expert's slice must have arrived (every thread's copies) before its dot.
+        if (writes_routing && threadIdx.x < 32 && threadIdx.x <= d.top_k) {
             ids_out[threadIdx.x] = r.ids[threadIdx.x];
             if (routing_ready != nullptr) __threadfence();
         }
-        if (writes_routing && routing_ready != nullptr) {
+        if (writes_routing && routing_ready != nullptr && threadIdx.x < 32) {
+            __syncwarp();
+            if (threadIdx.x == 0) publish_routing(routing_ready);
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+    // The routing weights: for moe_down from block (0, 0), and where this block stages its
+    // activations (weighted), for itself.
+    if (threadIdx.x < 32 && (writes_routing || staged != nullptr)) {
+        routing_weights(d, r.chosen, logits, writes_routing, folded ? x_scale : 1.0f, r.weights);
+        __syncwarp();
+        if (writes_routing && threadIdx.x <= d.top_k) {
+            weights_out[threadIdx.x] = r.weights[threadIdx.x];
+            if (!folded) {
+                ids_out[threadIdx.x] = r.ids[threadIdx.x];
+                if (routing_ready != nullptr) __threadfence();
+            }
+        }
+        if (writes_routing && routing_ready != nullptr && !folded) {
             __syncwarp();
             if (threadIdx.x == 0) publish_routing(routing_ready);
         }
     }
+    // While the routed rows are in flight.
+    if (folded) shared_slice_dot<BITS>(d, sg.group_shift, shared, slice, xs, x_scale);
+    float* shared_act = act + (size_t)d.top_k * max(d.intermediate, d.shared_intermediate);
 #if GATE_UP_BLOCK_ROWS == 32
     if (staged != nullptr) {
         // The block's intermediates (from block_first on) into r.act, then staged from there.
@@ -372,34 +732,44 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
         gate_up_finish<BITS>(refs, g, d.intermediate - block_first, first - block_first, xs, x_scale, pass, r.act);
         __syncthreads();
         if (threadIdx.x < 32) stage_block_act(d, r, slot, staged);
+        if (folded) shared_slice_store<BITS>(d, sg.group_shift, shared, slice, shared_act);
         return;
     }
 #endif
     gate_up_finish<BITS>(refs, g, d.intermediate, first, xs, x_scale, pass,
                          act + (size_t)slot * max(d.intermediate, d.shared_intermediate));
+    if (folded) {
+        __syncthreads();
+        shared_slice_store<BITS>(d, sg.group_shift, shared, slice, shared_act);
+    }
 }
 
 // act[slot] = silu(gate_e · x) * (up_e · x) for each routed slot's expert, x = RMSNorm(residual)
-// (or, with `staged`, moe_down's staged input made of them: routed_gate_up_block).
+// (or, with `staged`, moe_down's staged input made of them: routed_gate_up_block); with `folded`
+// (raw router logits from out_proj_route), also act[top_k], the shared expert's, a slice per block.
 // gate/up: routed experts stacked [experts * intermediate, hidden].
 // One token. Grid: (row blocks of GATE_UP_BLOCK_ROWS rows, top_k), GATE_UP_WARPS warps. Every
 // block routes; block (0, 0) also writes the routing to ids_out/weights_out. Shared memory: 64 +
-// staged_floats(hidden) floats.
-extern "C" __global__ void GATE_UP_BOUNDS moe_gate_up(MoeDims d, Weight gate, Weight up, const float* residual,
+// staged_floats(hidden) floats, then with `folded` the shared expert's slice.
+extern "C" __global__ void GATE_UP_BOUNDS moe_gate_up(MoeDims d, Weight gate, Weight up, Weight shared_gate,
+                                                     Weight shared_up, const float* residual,
                                                      const float* norm_scale, const float* router_logits, float* act,
                                                      int* ids_out, float* weights_out, float* staged,
-                                                     unsigned* routing_ready) {
+                                                     unsigned* routing_ready, int folded) {
     d = moe_shape(d);
     gate = expert_weight(gate, d.experts * d.intermediate, d.hidden);
     up = expert_weight(up, d.experts * d.intermediate, d.hidden);
+    shared_gate = expert_weight(shared_gate, d.shared_intermediate, d.hidden);
+    shared_up = expert_weight(shared_up, d.shared_intermediate, d.hidden);
     TRACE_BLOCK();
     extern __shared__ __align__(16) float smem[];
     __shared__ Routing r;
     float* xs = smem + 64;
+    char* slice = reinterpret_cast<char*>(xs + staged_floats(d.hidden));
     switch (gate.bits) {
-        case 4: routed_gate_up_block<4>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged, routing_ready); break;
-        case 8: routed_gate_up_block<8>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged, routing_ready); break;
-        default: routed_gate_up_block<16>(d, gate, up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged, routing_ready); break;
+        case 4: routed_gate_up_block<4>(d, gate, up, shared_gate, shared_up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged, routing_ready, folded != 0, slice); break;
+        case 8: routed_gate_up_block<8>(d, gate, up, shared_gate, shared_up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged, routing_ready, folded != 0, slice); break;
+        default: routed_gate_up_block<16>(d, gate, up, shared_gate, shared_up, residual, norm_scale, router_logits, xs, smem, r, act, ids_out, weights_out, staged, routing_ready, folded != 0, slice); break;
     }
 }
 
@@ -678,18 +1048,43 @@ extern "C" __global__ void __launch_bounds__(256, MOE_DOWN_BATCHED_BLOCKS) moe_d
 
 // Each token's routing from its router logits (ids[t, slot], weights[t, slot]; slot top_k is the
 // shared expert, id -1, weight its sigmoid gate), the sum of `splits` partial sums `split_stride`
-// floats apart (prefill's gemm_q split k; 1 for the MoE kernels' several tokens). One block per
+// floats apart (prefill's gemm_q split k; 1 for the MoE kernels' several tokens); with
+// `scale_from`, the raw logits of a folded router, scaled by 1 / rms of that residual stream. One block per
 // token, of one warp (prefill's grouped experts) or 256 threads (ahead of moe_gate_up_tokens,
 // where it is on a decode batch's critical path).
+// 1 / rms(x) over `cols` values, summed exactly as stage() sums them in a block of 256 threads
+// (one token's moe_gate_up staging its input): the folded router's scale in batched steps. By
+// every thread of a 256-thread block; scratch: 8 floats.
+__device__ float rms_scale_as_staged(const float* x, int cols, float eps, float* scratch) {
+    const StageSource src = {x, 0, cols, 1, nullptr};
+    float ss = 0.0f;
+    for (int t = threadIdx.x; t < cols / 8; t += 256) {
+        float e[8];
+        source_eight(src, nullptr, 8 * t, e, ss);
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < 8; ++w) total += scratch[w];
+    return rsqrtf(total / cols + eps);
+}
+
 extern "C" __global__ void __launch_bounds__(256) moe_route(MoeDims d, const float* router_logits, int splits,
-                                                          size_t split_stride, int* ids, float* weights) {
+                                                          size_t split_stride, const float* scale_from, int* ids,
+                                                          float* weights) {
     d = moe_shape(d);
     __shared__ float logits[MAX_EXPERTS + 1];
     __shared__ unsigned long long keys[2 * MAX_EXPERTS];
     __shared__ int chosen[MAX_TOP_K + 1];
     __shared__ float chosen_logits[MAX_TOP_K];
+    __shared__ float scratch[8];
     wait_for_previous_kernel();
     const size_t t = blockIdx.x;
+    // A folded router's raw logits (see out_proj_route) are scaled by 1 / rms of the token's
+    // residual stream (blocks of 256 threads).
+    const float scale =
+        scale_from != nullptr ? rms_scale_as_staged(scale_from + t * d.hidden, d.hidden, d.eps, scratch) : 1.0f;
     for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) {
         // The first partial as it is: the one-token kernels rank the logits unchanged.
         float sum = router_logits[t * (d.experts + 1) + e];
@@ -698,7 +1093,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(MoeDims d, const flo
     }
     __syncthreads();
     rank_experts(d, logits, keys, chosen, chosen_logits);
-    if (threadIdx.x < 32) routing_weights(d, chosen_logits, logits, true, weights + t * (d.top_k + 1));
+    if (threadIdx.x < 32) routing_weights(d, chosen_logits, logits, true, scale, weights + t * (d.top_k + 1));
     for (int i = threadIdx.x; i <= d.top_k; i += blockDim.x) ids[t * (d.top_k + 1) + i] = chosen[i];
 }
 

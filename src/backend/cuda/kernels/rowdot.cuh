@@ -443,29 +443,30 @@ __device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], const StagedX&
     }
 }
 
-// y = W x (y += W x when `accumulate`; x RMS-normalised by norm_scale when non-null) by the
-// blocks along x of the grid, persistent over the rows. Each warp computes R rows at a time, U
-// 16-byte chunks of each per lane per pass: R = 4, U = 2
-// for tall matrices; R = 1, U = 4 for short ones, which then spread over more blocks.
+// y = W x (y = add + W x when `add` is non-null, which may be y itself; x RMS-normalised by
+// norm_scale when non-null) by `blocks` blocks of the grid, this one block number `block` of
+// them, persistent over the rows. Each warp computes R rows at a time, U 16-byte chunks of each
+// per lane per pass: R = 4, U = 2 for tall matrices; R = 1, U = 4 for short ones, which then
+// spread over more blocks.
 template <int BITS, int R, int U>
 __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
-                            int accumulate, float* smem) {
+                            const float* add, float* smem, int block, int blocks) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int chunks = w.cols / values_per_chunk(BITS);
-    const int stride = gridDim.x * warps * R;
+    const int stride = blocks * warps * R;
     float* xs = smem + 64;
-    int row0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * R;
+    int row0 = (block * warps + (threadIdx.x >> 5)) * R;
     RowRef rows[R];
     Pass<R, U> pass;
 #pragma unroll
     for (int i = 0; i < R; ++i) rows[i] = row_ref(w, row0 + i);
     // The first rows' weights are in flight while the previous kernel finishes and x is staged;
-    // so are the first rows of y when accumulating (the caller guarantees the launch just
-    // before did not write y).
+    // so are the first rows of `add` (the caller guarantees the launch just before did not
+    // write it).
     load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
     float prior[R];
 #pragma unroll
-    for (int i = 0; i < R; ++i) prior[i] = accumulate && lane == 0 && row0 + i < w.rows ? y[row0 + i] : 0.0f;
+    for (int i = 0; i < R; ++i) prior[i] = add != nullptr && lane == 0 && row0 + i < w.rows ? add[row0 + i] : 0.0f;
     const int first_row0 = row0;
     wait_for_previous_kernel();
     const StageSource src = {x, 0, w.cols, 1, nullptr};
@@ -484,7 +485,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
         for (int i = 0; i < R; ++i) {
             const float v = warp_sum(acc.total[i]) * x_scale;
             const int row = row0 + i;
-            if (lane == 0 && row < w.rows) y[row] = accumulate ? (row0 == first_row0 ? prior[i] : y[row]) + v : v;
+            if (lane == 0 && row < w.rows) y[row] = add != nullptr ? (row0 == first_row0 ? prior[i] : add[row]) + v : v;
             rows[i] = next_rows[i];
         }
         row0 = next;
@@ -493,12 +494,12 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
 
 // A few tokens at once (T at most, `tokens` of them): every weight row is read once and dotted
 // with each token's staged x in turn, in the order the one-token kernel dots it, so each token's
-// result is bit for bit what matvec_impl gives it alone. Token t's x and y rows are w.cols and
-// w.rows floats after token t - 1's. Shared memory: T * R floats per warp, then per token of the
+// result is bit for bit what matvec_impl gives it alone. Token t's x and y (and add) rows are
+// w.cols and w.rows floats after token t - 1's. Shared memory: T * R floats per warp, then per token of the
 // block 64 + staged_floats(cols).
 template <int BITS, int R, int U, int T>
 __device__ void matvec_tokens_impl(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
-                                   int accumulate, int tokens, float* smem) {
+                                   const float* add, int tokens, float* smem) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int chunks = w.cols / values_per_chunk(BITS);
     const int stride = gridDim.x * warps * R;
@@ -520,7 +521,7 @@ __device__ void matvec_tokens_impl(const Weight& w, const float* x, const float*
 #pragma unroll
             for (int i = 0; i < R; ++i)
                 prior[t * R + i] =
-                    accumulate && t < tokens && row0 + i < w.rows ? y[(size_t)t * w.rows + row0 + i] : 0.0f;
+                    add != nullptr && t < tokens && row0 + i < w.rows ? add[(size_t)t * w.rows + row0 + i] : 0.0f;
     }
     const int first_row0 = row0;
     wait_for_previous_kernel();
@@ -559,7 +560,7 @@ __device__ void matvec_tokens_impl(const Weight& w, const float* x, const float*
                 const int row = row0 + i;
                 float* out = y + (size_t)t * w.rows + row;
                 if (t < tokens && lane == 0 && row < w.rows)
-                    *out = accumulate ? (row0 == first_row0 ? prior[t * R + i] : *out) + v : v;
+                    *out = add != nullptr ? (row0 == first_row0 ? prior[t * R + i] : add[out - y]) + v : v;
             }
         }
 #pragma unroll
@@ -570,20 +571,20 @@ __device__ void matvec_tokens_impl(const Weight& w, const float* x, const float*
 
 template <int R, int U, int T>
 __device__ void matvec_tokens_bits(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
-                                   int accumulate, int tokens, float* smem) {
+                                   const float* add, int tokens, float* smem) {
     switch (w.bits) {
-        case 4: matvec_tokens_impl<4, R, U, T>(w, x, norm_scale, eps, y, accumulate, tokens, smem); break;
-        case 8: matvec_tokens_impl<8, R, U, T>(w, x, norm_scale, eps, y, accumulate, tokens, smem); break;
-        default: matvec_tokens_impl<16, R, U, T>(w, x, norm_scale, eps, y, accumulate, tokens, smem); break;
+        case 4: matvec_tokens_impl<4, R, U, T>(w, x, norm_scale, eps, y, add, tokens, smem); break;
+        case 8: matvec_tokens_impl<8, R, U, T>(w, x, norm_scale, eps, y, add, tokens, smem); break;
+        default: matvec_tokens_impl<16, R, U, T>(w, x, norm_scale, eps, y, add, tokens, smem); break;
     }
 }
 
 template <int R, int U>
 __device__ void matvec_bits(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
-                            int accumulate, float* smem) {
+                            const float* add, float* smem, int block, int blocks) {
     switch (w.bits) {
-        case 4: matvec_impl<4, R, U>(w, x, norm_scale, eps, y, accumulate, smem); break;
-        case 8: matvec_impl<8, R, U>(w, x, norm_scale, eps, y, accumulate, smem); break;
-        default: matvec_impl<16, R, U>(w, x, norm_scale, eps, y, accumulate, smem); break;
+        case 4: matvec_impl<4, R, U>(w, x, norm_scale, eps, y, add, smem, block, blocks); break;
+        case 8: matvec_impl<8, R, U>(w, x, norm_scale, eps, y, add, smem, block, blocks); break;
+        default: matvec_impl<16, R, U>(w, x, norm_scale, eps, y, add, smem, block, blocks); break;
     }
 }

@@ -495,7 +495,16 @@ impl CudaBackend {
             Ok(splits)
         } else {
             let staging = MmaStaging::of(&ps.x16, &ps.xscale, s);
-            self.matvec_staged("prefill_matvec", w, x, norm, y, accumulate, n, staging)?;
+            self.matvec_staged(
+                "prefill_matvec",
+                w,
+                x,
+                norm,
+                y,
+                accumulate.then_some(y),
+                n,
+                staging,
+            )?;
             Ok(1)
         }
     }

@@ -66,7 +66,7 @@ impl CudaBackend {
                 routed_staged: 0,
                 routing_ready: 0,
             };
-            self.moe(layer, &buffers, x, n, None)
+            self.moe(layer, &buffers, x, n, None, None)
         }
     }
 
@@ -97,6 +97,8 @@ impl CudaBackend {
         let dims = MoeDims::new(c);
         let (ids, weights) = (m.ids, m.weights);
         let (splits32, split_stride) = (splits as i32, n * (c.num_experts + 1));
+        // Prefill's router is not folded: its logits need no scale.
+        let unscaled = 0u64;
         // SAFETY: router_logits holds `splits` slices of n rows, ids and weights n rows.
         unsafe {
             self.launch(
@@ -108,6 +110,7 @@ impl CudaBackend {
                     arg(&router),
                     arg(&splits32),
                     arg(&split_stride),
+                    arg(&unscaled),
                     arg(&ids),
                     arg(&weights),
                 ],
