@@ -945,7 +945,9 @@ __device__ __forceinline__ void moe_down_impl(const MoeDims& d, const Weight& do
         case 8: down_shared_prefetch<8>(shared_down, r0, shared_pass); break;
         default: down_shared_prefetch<16>(shared_down, r0, shared_pass); break;
     }
-    // The residual rows were last written three launches back (the mixer's output projection).
+    // The residual rows were last written by the mixer's output projection, two or three
+    // launches back: it had ended before the previous launch's blocks passed their waits and
+    // let this one start.
     float prior[DOWN_ROWS_PER_WARP];
 #pragma unroll
     for (int i = 0; i < DOWN_ROWS_PER_WARP; ++i)
