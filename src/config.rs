@@ -262,7 +262,8 @@ impl ModelConfig {
             .unwrap_or(0.25);
         ensure!(
             partial > 0.0 && partial <= 1.0,
-            "field `partial_rotary_factor` is {partial}: it must be above 0 and at most 1"
+            "field `partial_rotary_factor` is {partial}: the share of each head's dims that RoPE \
+             rotates must be above 0 and at most 1"
         );
         ensure!(
             raw.rms_norm_eps.is_finite() && raw.rms_norm_eps >= 0.0,
