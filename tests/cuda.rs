@@ -45,6 +45,14 @@ fn quantized_fixture(out: &Path, bits: u32, group_size: usize) -> PathBuf {
     out.to_path_buf()
 }
 
+/// The first fixture as it is (bf16) and converted to 4-bit, groups of 64, under `tmp`.
+fn bf16_and_q4_fixtures(tmp: &Path) -> [PathBuf; 2] {
+    [
+        fixtures()[0].clone(),
+        quantized_fixture(&tmp.join("q4"), 4, 64),
+    ]
+}
+
 fn prompts(dir: &Path) -> Vec<Vec<u32>> {
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
@@ -1036,11 +1044,7 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
 #[test]
 fn single_token_prefill_chunks_hand_their_conv_inputs_to_decode() {
     let tmp = tempfile::tempdir().unwrap();
-    let dirs = [
-        fixtures()[0].clone(),
-        quantized_fixture(&tmp.path().join("q4"), 4, 64),
-    ];
-    for dir in dirs {
+    for dir in bf16_and_q4_fixtures(tmp.path()) {
         let model = Arc::new(Model::load(&dir).unwrap());
         let vocab = model.config.vocab_size as u32;
         let gpu = CudaBackend::new(
@@ -1070,11 +1074,7 @@ fn single_token_prefill_chunks_hand_their_conv_inputs_to_decode() {
 #[test]
 fn unfolded_router_decodes_like_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
-    let dirs = [
-        fixtures()[0].clone(),
-        quantized_fixture(&tmp.path().join("q4"), 4, 64),
-    ];
-    for dir in dirs {
+    for dir in bf16_and_q4_fixtures(tmp.path()) {
         let model = Arc::new(Model::load(&dir).unwrap());
         let vocab = model.config.vocab_size as u32;
         let gpu = CudaBackend::new(

@@ -15,9 +15,9 @@ use super::shapes::{
     ARGMAX_BLOCKS, ATTENTION_SPLITS, ATTENTION_WARPS, AttentionDims, COMBINE_DIMS, COMBINE_PARTS,
     DOWN_ROWS_PER_WARP, DeltaNetDims, DeltaNetShape, FOLD_ROWS, GATE_UP_ROWS_PER_WARP,
     MATVEC_BLOCKS_PER_SM, MATVEC_THREADS, MoeDims, SAMPLE_SCAN_THREADS, SAMPLE_THREADS,
-    attention_split_blocks_per_split, attention_split_smem, gate_up_warps, mma_takes,
-    moe_down_staged_bytes, moe_slot_width, moe_stages_act, moe_token_blocks, sample_slices,
-    shared_slice_bytes, staged_bytes, staged_floats_bits,
+    attention_split_blocks_per_split, attention_split_smem, gate_up_row_blocks, gate_up_warps,
+    mma_takes, moe_down_staged_bytes, moe_slot_width, moe_stages_act, moe_token_blocks,
+    sample_slices, shared_slice_bytes, staged_bytes, staged_floats_bits,
 };
 use super::weights::{self, DeviceMixer, FoldDesc, RouterFold, ptr};
 use super::{
@@ -721,7 +721,7 @@ impl CudaBackend {
                     f.before,
                     f.fold.rows.div_ceil(FOLD_ROWS),
                 ),
-                None => (FoldDesc::none(), 0, 0, layer.router.rows.div_ceil(warps)),
+                None => (FoldDesc::default(), 0, 0, layer.router.rows.div_ceil(warps)),
             };
             let blocks = router_blocks.max(gate_up_blocks(c.shared_expert_intermediate_size));
             let mut launch = cfg(blocks as u32, 2, MATVEC_THREADS, smem);
@@ -759,9 +759,7 @@ impl CudaBackend {
         }
         let folded = folded.is_some();
         let warps = gate_up_warps(format);
-        let row_blocks = c
-            .moe_intermediate_size
-            .div_ceil(warps * GATE_UP_ROWS_PER_WARP);
+        let row_blocks = gate_up_row_blocks(c, format);
         let blocks = row_blocks * c.num_experts_per_tok;
         // Folded: the shared expert's slice after the staged input (shared_slice_bytes).
         let slice = if folded {

@@ -780,10 +780,7 @@ impl CudaBackend {
         // Decode folds each layer's router into its mixer's output projection where
         // moe_gate_up's slice of the shared expert fits beside its staged input.
         let mut model = model;
-        let gate_up_blocks = c
-            .moe_intermediate_size
-            .div_ceil(gate_up_warps(k.expert_format) * GATE_UP_ROWS_PER_WARP)
-            * c.num_experts_per_tok;
+        let gate_up_blocks = gate_up_row_blocks(c, k.expert_format) * c.num_experts_per_tok;
         let fits = |l: &DeviceLayer| {
             let slice = shared_slice_bytes(c, l.gate.format(), gate_up_blocks);
             staged_bytes(&[c.hidden_size]) as usize + slice <= MAX_DYNAMIC_SHARED_BYTES

@@ -337,6 +337,13 @@ pub(super) fn gate_up_warps(format: Option<WeightFormat>) -> usize {
     }
 }
 
+/// Row blocks of one token's `moe_gate_up` grid (its x dimension; y is the routed slot), for a
+/// module compiled for experts of `format`.
+pub(super) fn gate_up_row_blocks(c: &ModelConfig, format: Option<WeightFormat>) -> usize {
+    c.moe_intermediate_size
+        .div_ceil(gate_up_warps(format) * GATE_UP_ROWS_PER_WARP)
+}
+
 /// Router rows per block of `out_proj_route`'s folded router (`FOLD_ROWS` in moe.cu).
 pub(super) const FOLD_ROWS: usize = 2;
 

@@ -11,12 +11,11 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-
-use super::shapes::FOLD_TILE;
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, PushKernelArg};
 use rayon::prelude::*;
+
+use super::cfg;
+use super::shapes::FOLD_TILE;
 
 use crate::checkpoint::{DType, convert_to_f32};
 use crate::config::ModelConfig;
@@ -178,8 +177,9 @@ pub struct RouterFold {
 }
 
 /// The kernel-side descriptor of a [`RouterFold`] (`struct Fold` in moe.cu).
+/// The default, all zeros, is no fold (the router's own rows).
 #[repr(C)]
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct FoldDesc {
     data: u64,
     row_scale: u64,
@@ -189,18 +189,6 @@ pub struct FoldDesc {
 
 // SAFETY: plain old data with the layout of `struct Fold` in moe.cu.
 unsafe impl DeviceRepr for FoldDesc {}
-
-impl FoldDesc {
-    /// No fold (the router's own rows).
-    pub fn none() -> Self {
-        Self {
-            data: 0,
-            row_scale: 0,
-            rows: 0,
-            cols: 0,
-        }
-    }
-}
 
 impl RouterFold {
     pub fn desc(&self, stream: &CudaStream) -> FoldDesc {
@@ -689,32 +677,19 @@ impl DeviceModel {
             let post = ptr(&l.post_norm, stream);
             let mut b = stream.launch_builder(fold_router);
             b.arg(&router).arg(&out_proj).arg(&post).arg(&f32s);
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    cols.div_ceil(256) as u32,
-                    rows.div_ceil(FOLD_TILE) as u32,
-                    1,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let grid = (cols.div_ceil(256) as u32, rows.div_ceil(FOLD_TILE) as u32);
             // SAFETY: `sums` holds at least rows x cols floats; the router is [rows, hidden] and
             // the projection [hidden, o.cols] (router_folds), post_norm hidden floats.
-            unsafe { b.launch(cfg) }?;
+            unsafe { b.launch(cfg(grid.0, grid.1, 256, 0)) }?;
             let data = stream.alloc_zeros::<u8>(rows * cols * 2)?;
             let row_scale = stream.alloc_zeros::<f32>(rows)?;
             let (out, scale) = (ptr(&data, stream), ptr(&row_scale, stream));
             let cols32 = cols as i32;
             let mut b = stream.launch_builder(fold_to_half);
             b.arg(&f32s).arg(&cols32).arg(&out).arg(&scale);
-            let cfg = LaunchConfig {
-                grid_dim: (rows as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
             // SAFETY: one block per row of `sums`, writing that row of `data` (rows x cols fp16
             // values) and its scale.
-            unsafe { b.launch(cfg) }?;
+            unsafe { b.launch(cfg(rows as u32, 1, 256, 0)) }?;
             l.router_fold = Some(RouterFold {
                 data,
                 row_scale,
