@@ -809,7 +809,8 @@ impl CudaBackend {
             part_max: z(c.num_attention_heads * ATTENTION_SPLITS)?,
             part_sum: z(c.num_attention_heads * ATTENTION_SPLITS)?,
             part_out: z(heads_hd * ATTENTION_SPLITS)?,
-            router_logits: z(c.num_experts + 1)?,
+            // Whole 16-byte pieces: the folded moe_gate_up copies one token's logits by cp.async.
+            router_logits: z((c.num_experts + 1).next_multiple_of(4))?,
             act: z((c.num_experts_per_tok + 1) * inter)?,
             routed_staged: stream.alloc_zeros::<f32>(
                 staged_floats_bits(c.num_experts_per_tok * c.moe_intermediate_size, 4).max(1),

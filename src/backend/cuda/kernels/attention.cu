@@ -39,10 +39,12 @@ extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDim
                                              bf16* k_cache, bf16* v_cache, AttentionSeqs seqs) {
     TRACE_BLOCK();
     let_next_kernel_start();
-    wait_for_previous_kernel();
     __shared__ float scratch[32];
     extern __shared__ float head[];
     const int b = blockIdx.x, i = threadIdx.x, hd = d.head_dim;
+    const bool is_q = b < d.heads;
+    const float norm_w = is_q ? q_norm[i] : k_norm[i];  // a weight: before the wait
+    wait_for_previous_kernel();
     // Token blockIdx.y of a run of tokens at consecutive positions, or of a batch.
     const int t = blockIdx.y;
     const int pos = row_position(position, seqs.position, t);
@@ -50,12 +52,15 @@ extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDim
     v_cache = seq_buffer(v_cache, seqs.v_cache, t);
     proj += (size_t)t * attention_proj_width(d);
     q_out += (size_t)t * d.heads * hd;
-    const bool is_q = b < d.heads;
     const int kvh = b - d.heads;
     const float* src = is_q ? proj + (size_t)b * 2 * hd : proj + (size_t)d.heads * 2 * hd + (size_t)kvh * hd;
     const float x = src[i];
+    // A KV head's value row is read with its key row, in the same L2 round trip (after the
+    // norm's barriers the load would be one more).
+    const float* vsrc = proj + (size_t)d.heads * 2 * hd + (size_t)(d.kv_heads + kvh) * hd;
+    const float v = is_q ? 0.0f : vsrc[i];
     const float ss = block_sum(x * x, scratch);
-    head[i] = x * rsqrtf(ss / hd + d.eps) * (is_q ? q_norm[i] : k_norm[i]);
+    head[i] = x * rsqrtf(ss / hd + d.eps) * norm_w;
     __syncthreads();
     float y = head[i];
     const int half = d.rotary_dim / 2;
@@ -73,8 +78,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_prepare(AttentionDim
     } else {
         const size_t at = ((size_t)pos * d.kv_heads + kvh) * hd + i;
         k_cache[at] = __float2bfloat16(y);
-        const float* vsrc = proj + (size_t)d.heads * 2 * hd + (size_t)(d.kv_heads + kvh) * hd;
-        v_cache[at] = __float2bfloat16(vsrc[i]);
+        v_cache[at] = __float2bfloat16(v);
     }
 }
 

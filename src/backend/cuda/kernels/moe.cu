@@ -272,6 +272,7 @@ struct FoldRows {
     Pass<FOLD_ROWS, FOLD_PASS> pass;
     float4 z[FOLD_PASS][2];  // the pass's inputs: each chunk's 8 values of z = [m ; residual]
     int begin, end;          // this warp's chunks
+    float scale;             // thread i < FOLD_ROWS: row i's scale, read before the wait
 };
 
 __device__ __forceinline__ void fold_rows_load(const Fold& fold, int block, FoldRows& f) {
@@ -285,6 +286,10 @@ __device__ __forceinline__ void fold_rows_load(const Fold& fold, int block, Fold
         f.refs[i].data = row < fold.rows ? fold.data + (size_t)row * chunks : nullptr;
         f.refs[i].scales = f.refs[i].biases = nullptr;
     }
+    // A weight, read now rather than after the block's reduction (one memory round trip fewer
+    // at the end).
+    const int own_row = block * FOLD_ROWS + threadIdx.x;
+    f.scale = threadIdx.x < FOLD_ROWS && own_row < fold.rows ? fold.row_scale[own_row] : 1.0f;
     // The rows' 16-byte chunks as load_pass reads bf16 rows (it reads no scales for 16 bits).
     load_pass<16, FOLD_ROWS, FOLD_PASS>(f.refs, f.begin, f.end, 0, threadIdx.x & 31, f.pass);
 }
@@ -349,7 +354,7 @@ __device__ void fold_rows_finish(const Fold& fold, const float* m, int m_cols, c
         const int row = block * FOLD_ROWS + threadIdx.x;
         float total = 0.0f;
         for (int w = 0; w < warps; ++w) total += scratch[w * FOLD_ROWS + threadIdx.x];
-        if (row < fold.rows) raw[row] = total * fold.row_scale[row];
+        if (row < fold.rows) raw[row] = total * f.scale;
     }
 }
 
@@ -520,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_shared(MoeDims d
 // for every weight width).
 struct Routing {
     unsigned long long keys[2 * MAX_EXPERTS];
-    float logits[MAX_EXPERTS + 1];  // the folded router's raw logits (see out_proj_route)
+    alignas(16) float logits[MAX_EXPERTS + 4];  // the folded router's raw logits (out_proj_route), in 16-byte pieces
     int ids[MAX_TOP_K + 1];
     float chosen[MAX_TOP_K];
     float weights[MAX_TOP_K + 1];
@@ -673,12 +678,18 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
         shared = shared_slice(d);
         shared_slice_copy<BITS>(d, sg, su, shared, slice);
         wait_for_previous_kernel();
-        // Each raw logit stored by the thread that reads it first in rank_experts (entry
-        // `experts`, the shared expert's gate, is read after its barriers).
-        for (int e = threadIdx.x; e <= d.experts; e += blockDim.x) r.logits[e] = router_logits[e];
+        // The raw logits are copied while h is staged, so that both come from L2 in one round
+        // trip (one token's logits start the buffer: 16-byte aligned). h before the routed rows
+        // are requested: its L2 read is then not queued behind their HBM reads.
+        for (int i = threadIdx.x; 4 * i <= d.experts; i += blockDim.x)
+            cp_async_16_part(shared_address(r.logits + 4 * i), router_logits + 4 * i,
+                             4 * min(4, d.experts + 1 - 4 * i));
+        cp_async_commit();
         logits = r.logits;
-        // h first: its L2 read is not queued behind the routed rows' HBM requests.
         x_scale = stage<BITS, STAGERS>(src, norm_scale, d.eps, xs, scratch);
+        // The logits and the shared expert's slice, every thread's copies.
+        cp_async_wait<0>();
+        __syncthreads();
     } else {
         x_scale = stage<BITS, STAGERS>(src, norm_scale, d.eps, xs, scratch);
         wait_for_previous_kernel();
@@ -692,8 +703,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     gate_up_load<BITS>(refs, g, pass);
     const bool writes_routing = blockIdx.x == 0 && slot == 0;
     if (folded) {
-        // The ids go out to moe_down now (it reads the weights only after its wait); the shared
-        // expert's slice must have arrived (every thread's copies) before its dot.
+        // The ids go out to moe_down now (it reads the weights only after its wait).
         if (writes_routing && threadIdx.x < 32 && threadIdx.x <= d.top_k) {
             ids_out[threadIdx.x] = r.ids[threadIdx.x];
             if (routing_ready != nullptr) __threadfence();
@@ -702,8 +712,6 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
             __syncwarp();
             if (threadIdx.x == 0) publish_routing(routing_ready);
         }
-        cp_async_wait<0>();
-        __syncthreads();
     }
     // The routing weights: for moe_down from block (0, 0), and where this block stages its
     // activations (weighted), for itself.

@@ -54,6 +54,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                  : "memory");
 }
 
+// Copies the first `bytes` (0 to 16) of 16 from global memory to shared address dst
+// asynchronously, zeros in the rest; through L2 only, as cp_async_16.
+__device__ __forceinline__ void cp_async_16_part(uint32_t dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 // Waits until at most PENDING of this thread's committed groups of copies are in flight (other
