@@ -83,6 +83,15 @@ __device__ __forceinline__ float key_logit(unsigned long long key) {
 // padding slot of a short last run takes a rank of its own.
 __device__ __forceinline__ unsigned long long padding_key(int e) { return 0xffffffffu - (uint32_t)e; }
 
+// Unroll factors of rank_experts' two loops, settable by LILY_DEFINES: each block runs that code
+// once, so it trades instructions executed against code fetched cold.
+#ifndef RANK_RUN_UNROLL
+#define RANK_RUN_UNROLL 8
+#endif
+#ifndef RANK_CANDIDATE_UNROLL
+#define RANK_CANDIDATE_UNROLL 4
+#endif
+
 // Picks the top_k experts from `logits` (global or shared memory; entry `experts`, the shared
 // expert's gate, is not read) into ids[0..top_k), their logits into chosen[0..top_k) (so that
 // their weights need no second read of `logits`), and sets ids[top_k] = -1 (the shared expert);
@@ -104,7 +113,7 @@ __device__ void rank_experts(const MoeDims& d, const float* logits, unsigned lon
         const unsigned long long key = keys[e];
         const unsigned long long* run = keys + (e & ~31);
         int r = 0;
-#pragma unroll 8
+#pragma unroll RANK_RUN_UNROLL
         for (int j = 0; j < 32; ++j) r += run[j] > key;
         // Ranks are distinct (padding keys too), so every one of the run's `kept` slots is
         // written, by real keys first.
@@ -122,7 +131,7 @@ __device__ void rank_experts(const MoeDims& d, const float* logits, unsigned lon
         int r = 0;
         // Every split-th candidate from `part`: the lanes of a candidate read neighbouring words
         // (distinct banks), not runs 16 words apart (one bank).
-#pragma unroll 4
+#pragma unroll RANK_CANDIDATE_UNROLL
         for (int j = part; j < count; j += split) r += candidates[j] > key;
         for (int o = 1; o < split; o <<= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
         // The config has at least top_k experts, so ranks below top_k are real, distinct keys.
