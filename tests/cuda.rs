@@ -59,17 +59,22 @@ fn prompts(dir: &Path) -> Vec<Vec<u32>> {
     serde_json::from_value(meta["prompts"].clone()).unwrap()
 }
 
-fn cuda(model: &Model, sequences: usize) -> CudaBackend {
-    let opts = CudaOptions {
-        max_context: 256,
-        max_sequences: sequences,
+/// The tests' backend options: `max_context` and `max_sequences` slots, graphs on, the router
+/// folded, the default prefill chunk, no spare slots (change a field with `..options(...)`).
+fn options(max_context: usize, max_sequences: usize) -> CudaOptions {
+    CudaOptions {
+        max_context,
+        max_sequences,
         spare_sequences: 0,
         fit_sequences: false,
         use_graphs: true,
         prefill_chunk: DEFAULT_PREFILL_CHUNK,
         fold_router: true,
-    };
-    CudaBackend::new(model, opts).expect("CUDA backend starts")
+    }
+}
+
+fn cuda(model: &Model, sequences: usize) -> CudaBackend {
+    CudaBackend::new(model, options(256, sequences)).expect("CUDA backend starts")
 }
 
 fn all_logits<B: Backend>(b: &B, prompt: &[u32]) -> Vec<f32> {
@@ -165,19 +170,7 @@ fn decode_runs_choose_the_step_by_step_ids() {
     let model = Model::load(dir).unwrap();
     let prompt = &prompts(dir)[0];
     let max_context = prompt.len() + 12;
-    let gpu = CudaBackend::new(
-        &model,
-        CudaOptions {
-            max_context,
-            max_sequences: 2,
-            spare_sequences: 0,
-            fit_sequences: false,
-            use_graphs: true,
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
-            fold_router: true,
-        },
-    )
-    .unwrap();
+    let gpu = CudaBackend::new(&model, options(max_context, 2)).unwrap();
     let vocab = model.config.vocab_size;
     let prefilled = |gpu: &CudaBackend| {
         let mut state = gpu.new_state().unwrap();
@@ -268,19 +261,7 @@ fn damaged_kernel_cache_entries_are_compiled_again() {
 fn context_limit_is_an_error() {
     let dir = &fixtures()[0];
     let model = Model::load(dir).unwrap();
-    let gpu = CudaBackend::new(
-        &model,
-        CudaOptions {
-            max_context: 4,
-            max_sequences: 1,
-            spare_sequences: 0,
-            fit_sequences: false,
-            use_graphs: true,
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
-            fold_router: true,
-        },
-    )
-    .unwrap();
+    let gpu = CudaBackend::new(&model, options(4, 1)).unwrap();
     let mut s = gpu.new_state().unwrap();
     let err = gpu
         .prefill(&mut s, &[1, 2, 3, 4, 5], LogitsFor::Last)
@@ -334,13 +315,8 @@ fn memory_use_counts_the_backends_own_buffers() {
 fn spare_slots_add_to_the_pool_of_states() {
     let model = Model::load(&fixtures()[0]).unwrap();
     let opts = CudaOptions {
-        max_context: 64,
-        max_sequences: 1,
         spare_sequences: 2,
-        fit_sequences: false,
-        use_graphs: true,
-        prefill_chunk: DEFAULT_PREFILL_CHUNK,
-        fold_router: true,
+        ..options(64, 1)
     };
     let gpu = CudaBackend::new(&model, opts).unwrap();
     assert_eq!(gpu.max_states(), Some(3));
@@ -1023,13 +999,8 @@ fn long_prefill_in_chunks_matches_the_cpu_and_hands_its_state_to_decode() {
         let gpu = CudaBackend::new(
             &model,
             CudaOptions {
-                max_context: 4096,
-                max_sequences: 1,
-                spare_sequences: 0,
-                fit_sequences: false,
-                use_graphs: true,
                 prefill_chunk: 1024,
-                fold_router: true,
+                ..options(4096, 1)
             },
         )
         .unwrap();
@@ -1050,13 +1021,8 @@ fn single_token_prefill_chunks_hand_their_conv_inputs_to_decode() {
         let gpu = CudaBackend::new(
             &model,
             CudaOptions {
-                max_context: 64,
-                max_sequences: 1,
-                spare_sequences: 0,
-                fit_sequences: false,
-                use_graphs: true,
                 prefill_chunk: 8,
-                fold_router: true,
+                ..options(64, 1)
             },
         )
         .unwrap();
@@ -1080,13 +1046,8 @@ fn unfolded_router_decodes_like_the_cpu() {
         let gpu = CudaBackend::new(
             &model,
             CudaOptions {
-                max_context: 128,
-                max_sequences: 4,
-                spare_sequences: 0,
-                fit_sequences: false,
-                use_graphs: true,
-                prefill_chunk: DEFAULT_PREFILL_CHUNK,
                 fold_router: false,
+                ..options(128, 4)
             },
         )
         .unwrap();
