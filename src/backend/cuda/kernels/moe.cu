@@ -108,7 +108,12 @@ __device__ void rank_experts(const MoeDims& d, const float* logits, unsigned lon
     unsigned long long* candidates = keys + MAX_EXPERTS;
     for (int e = threadIdx.x; e < runs * 32; e += blockDim.x)
         keys[e] = e < d.experts ? route_key(logits[e], e) : padding_key(e);
-    __syncthreads();
+    // Where every run is one warp's keys (experts <= threads), a warp ranks only the keys it
+    // stored itself: no block barrier.
+    if (runs * 32 <= (int)blockDim.x)
+        __syncwarp();
+    else
+        __syncthreads();
     for (int e = threadIdx.x; e < runs * 32; e += blockDim.x) {
         const unsigned long long key = keys[e];
         const unsigned long long* run = keys + (e & ~31);
@@ -683,19 +688,26 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     SharedSlice shared = {0, 0, 0};
     float x_scale = 1.0f;
     const float* logits = router_logits;
+    // Folded, with one word of h per staging thread: h is loaded with the logits but staged only
+    // once the routed rows are requested, so that the staging is off the way to those requests.
+    const bool holds = folded && stage_holds<STAGERS>(src);
+    HeldWord held;
     if (folded) {
         shared = shared_slice(d);
         shared_slice_copy<BITS>(d, sg, su, shared, slice);
         wait_for_previous_kernel();
-        // The raw logits are copied while h is staged, so that both come from L2 in one round
-        // trip (one token's logits start the buffer: 16-byte aligned). h before the routed rows
-        // are requested: its L2 read is then not queued behind their HBM reads.
+        // The raw logits are copied while h is read, so that both come from L2 in one round
+        // trip (one token's logits start the buffer: 16-byte aligned). h is read before the
+        // routed rows are requested: its L2 read is then not queued behind their HBM reads.
         for (int i = threadIdx.x; 4 * i <= d.experts; i += blockDim.x)
             cp_async_16_part(shared_address(r.logits + 4 * i), router_logits + 4 * i,
                              4 * min(4, d.experts + 1 - 4 * i));
         cp_async_commit();
         logits = r.logits;
-        x_scale = stage<BITS, STAGERS>(src, norm_scale, d.eps, xs, scratch);
+        if (holds)
+            stage_hold<STAGERS>(src, norm_scale, held);
+        else
+            x_scale = stage<BITS, STAGERS>(src, norm_scale, d.eps, xs, scratch);
         // The logits and the shared expert's slice, every thread's copies.
         cp_async_wait<0>();
         __syncthreads();
@@ -721,6 +733,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
             __syncwarp();
             if (threadIdx.x == 0) publish_routing(routing_ready);
         }
+        if (holds) x_scale = stage_held<BITS, STAGERS>(src, norm_scale, d.eps, held, xs, scratch);
     }
     // The routing weights: for moe_down from block (0, 0), and where this block stages its
     // activations (weighted), for itself.

@@ -218,6 +218,52 @@ __device__ float stage(const StageSource& src, const float* norm_scale, float ep
     return rsqrtf(total / cols + eps);
 }
 
+// stage() in two halves, where no staging thread has more than one 8-value word of the input
+// (stage_holds): stage_hold loads this thread's word (norm applied, squares summed) into
+// registers, stage_held stores it, then synchronises and returns the scale as stage() does. Bit for
+// bit stage<BITS, THREADS>, but a block can take the input's L2 round trip early and leave the
+// staging itself (shuffles, stores, a barrier) until after other work.
+struct HeldWord {
+    float e[8];
+    float ss;
+};
+
+template <int THREADS>
+__device__ __forceinline__ bool stage_holds(const StageSource& src) {
+    const int words = src.seg_cols * src.segments / 8;
+    return ((words + 31) & ~31) <= (THREADS == 0 ? (int)blockDim.x : THREADS);
+}
+
+template <int THREADS>
+__device__ __forceinline__ void stage_hold(const StageSource& src, const float* norm_scale, HeldWord& h) {
+    const int words = src.seg_cols * src.segments / 8;
+    h.ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) h.e[j] = 0.0f;
+    if ((THREADS == 0 || threadIdx.x < THREADS) && threadIdx.x < words)
+        source_eight(src, norm_scale, 8 * threadIdx.x, h.e, h.ss);
+}
+
+template <int BITS, int THREADS>
+__device__ float stage_held(const StageSource& src, const float* norm_scale, float eps, const HeldWord& h,
+                            float* xs, float* scratch) {
+    const bool stages = THREADS == 0 || threadIdx.x < THREADS;
+    const int cols = src.seg_cols * src.segments, words = cols / 8;
+    // stage()'s loop, which runs at most once per thread here (whole warps: stage_word shuffles).
+    if (stages && (int)threadIdx.x < ((words + 31) & ~31))
+        stage_word<BITS>(threadIdx.x, (int)threadIdx.x < words, cols, h.e, xs);
+    const int warps = (THREADS == 0 ? blockDim.x : THREADS) >> 5;
+    if (norm_scale != nullptr && stages) {
+        const float ss = warp_sum(h.ss);
+        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+    }
+    __syncthreads();
+    if (norm_scale == nullptr) return 1.0f;
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    return rsqrtf(total / cols + eps);
+}
+
 // stage() by one warp, so that the warps of a block stage several inputs at once (no barrier: the
 // caller synchronises). Bit for bit what stage() gives in a block of WARPS warps: lane l sums the
 // squares of the words thread v * 32 + l of that block would, in the same order, for each warp v,
