@@ -15,8 +15,8 @@ impl CudaBackend {
     /// with `add`, y = add + W · x (rows as y's; `add` may be y itself). One token, or weights
     /// `matvec_mma` does not take: the integer-dot mat-vec, a grid row per token; several:
     /// `matvec_mma` on tensor cores, each weight row read once per MMA_TOKENS tokens, its inputs
-    /// staged in the decode scratch. At most one wave of persistent blocks. `role` names the launch (the weight's part in the
-    /// model) in errors and the critical path.
+    /// staged in the decode scratch. At most one wave of persistent blocks. `role` names the
+    /// launch (the weight's part in the model) in errors and the critical path.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matvec(
         &self,

@@ -178,6 +178,23 @@ __device__ __forceinline__ void stage_word(int t, bool valid, int cols, const fl
     }
 }
 
+// The end of stage() and stage_held(): the staging threads' sums of squares `ss`, added warp by
+// warp in order, a barrier for the whole block, then the norm's 1 / rms (1 without a norm).
+template <int THREADS>
+__device__ __forceinline__ float staged_scale(bool stages, float ss, const float* norm_scale, int cols, float eps,
+                                              float* scratch) {
+    const int warps = (THREADS == 0 ? blockDim.x : THREADS) >> 5;
+    if (norm_scale != nullptr && stages) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+    }
+    __syncthreads();
+    if (norm_scale == nullptr) return 1.0f;
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    return rsqrtf(total / cols + eps);
+}
+
 // Stages the source for a weight of BITS bits into xs (16-byte aligned), then a barrier; scaled
 // by norm_scale when non-null, and returns the factor every product with the staged input must
 // then be multiplied by: the RMS norm's 1 / rms(x) (norm over a single piece only), else 1.
@@ -206,16 +223,7 @@ __device__ float stage(const StageSource& src, const float* norm_scale, float ep
             if (t < words) source_eight(src, norm_scale, 8 * t, e, ss);
             stage_word<BITS>(t, t < words, cols, e, xs);
         }
-    const int warps = (THREADS == 0 ? blockDim.x : THREADS) >> 5;
-    if (norm_scale != nullptr && stages) {
-        ss = warp_sum(ss);
-        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
-    }
-    __syncthreads();
-    if (norm_scale == nullptr) return 1.0f;
-    float total = 0.0f;
-    for (int w = 0; w < warps; ++w) total += scratch[w];
-    return rsqrtf(total / cols + eps);
+    return staged_scale<THREADS>(stages, ss, norm_scale, cols, eps, scratch);
 }
 
 // stage() in two halves, where no staging thread has more than one 8-value word of the input
@@ -252,16 +260,7 @@ __device__ float stage_held(const StageSource& src, const float* norm_scale, flo
     // stage()'s loop, which runs at most once per thread here (whole warps: stage_word shuffles).
     if (stages && (int)threadIdx.x < ((words + 31) & ~31))
         stage_word<BITS>(threadIdx.x, (int)threadIdx.x < words, cols, h.e, xs);
-    const int warps = (THREADS == 0 ? blockDim.x : THREADS) >> 5;
-    if (norm_scale != nullptr && stages) {
-        const float ss = warp_sum(h.ss);
-        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
-    }
-    __syncthreads();
-    if (norm_scale == nullptr) return 1.0f;
-    float total = 0.0f;
-    for (int w = 0; w < warps; ++w) total += scratch[w];
-    return rsqrtf(total / cols + eps);
+    return staged_scale<THREADS>(stages, h.ss, norm_scale, cols, eps, scratch);
 }
 
 // stage() by one warp, so that the warps of a block stage several inputs at once (no barrier: the
