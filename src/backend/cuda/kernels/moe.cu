@@ -108,12 +108,9 @@ __device__ void rank_experts(const MoeDims& d, const float* logits, unsigned lon
     unsigned long long* candidates = keys + MAX_EXPERTS;
     for (int e = threadIdx.x; e < runs * 32; e += blockDim.x)
         keys[e] = e < d.experts ? route_key(logits[e], e) : padding_key(e);
-    // Where every run is one warp's keys (experts <= threads), a warp ranks only the keys it
-    // stored itself: no block barrier.
-    if (runs * 32 <= (int)blockDim.x)
-        __syncwarp();
-    else
-        __syncthreads();
+    // Both loops give key e to thread e mod blockDim.x, so a run of 32 keys is stored and ranked
+    // by the same warp (blockDim.x is whole warps): a warp barrier, whatever the expert count.
+    __syncwarp();
     for (int e = threadIdx.x; e < runs * 32; e += blockDim.x) {
         const unsigned long long key = keys[e];
         const unsigned long long* run = keys + (e & ~31);
