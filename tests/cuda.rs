@@ -1298,6 +1298,48 @@ fn routing_with_a_short_last_run_of_experts_matches_the_cpu() {
     random_shape_matches_the_cpu(&fields, 60, 53, 7, "36 experts, top-8");
 }
 
+/// More experts than a routing block has threads (600, top-10, against the 256 threads of
+/// `moe_route` and of a bf16 `moe_gate_up`, the 512 of a 4-bit one), so that `rank_experts` gives
+/// each thread several keys and ends on a short run of 24: prefill and decode against the CPU in
+/// bf16 and at 4 bits, then a batched decode of two sequences (`moe_route`) bit for bit as each
+/// decoded alone.
+#[test]
+fn routing_over_more_experts_than_a_block_has_threads_matches_the_cpu() {
+    let fields = [("num_experts", 600), ("num_experts_per_tok", 10)];
+    random_shape_matches_the_cpu(&fields, 40, 31, 5, "600 experts, top-10");
+    let tmp = tempfile::tempdir().unwrap();
+    let source = random_checkpoint(&tmp.path().join("f32"), &fields);
+    quantized_decode_against_cpu(&source, &[(4, 64)], "600 experts, top-10");
+
+    let config = ModelConfig::from_json_str(&demo_config_with(&fields).to_string()).unwrap();
+    let model = bf16_random_model(config);
+    let vocab = model.config.vocab_size;
+    let gpu = cuda(&model, 4);
+    let (mut batch, mut solo, mut next) = (Vec::new(), Vec::new(), Vec::new());
+    for offset in [3, 11] {
+        let prompt: Vec<u32> = (0..20).map(|i| (i * 17 + offset) % vocab as u32).collect();
+        let mut s = gpu.new_state().unwrap();
+        next.push(argmax(
+            &gpu.prefill(&mut s, &prompt, LogitsFor::Last).unwrap(),
+        ));
+        solo.push(gpu.fork(&s).unwrap());
+        batch.push(s);
+    }
+    for step in 0..3 {
+        let mut refs: Vec<_> = batch.iter_mut().collect();
+        let got = gpu.decode(&mut refs, &next).unwrap();
+        for (i, alone) in solo.iter_mut().enumerate() {
+            let want = gpu.decode(&mut [alone], &[next[i]]).unwrap();
+            assert!(
+                got[i * vocab..(i + 1) * vocab] == want[..],
+                "600 experts, batch of 2, sequence {i}, step {step}: logits differ from the \
+                 sequence decoded alone"
+            );
+            next[i] = argmax(&want);
+        }
+    }
+}
+
 /// The proportions of the family's larger sibling (Qwen3.5-397B-A17B: 4 DeltaNet value heads
 /// per key head, 16 query heads per KV head, top-10 of 512 experts) rather than the 35B's 2, 8
 /// and top-8 of 256, scaled down: value heads sharing a key head four ways in the step, two
