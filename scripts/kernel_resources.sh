@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Registers, spills, static shared memory and machine-code size of every CUDA kernel, without a
+# Registers, spills, stack frame, static shared memory and machine-code size of every CUDA kernel, without a
 # GPU: compiles the kernels with NVRTC (`lily kernels --check`, into a fresh cache directory) and
 # runs ptxas -v on each module's PTX for sm_90a. Whether a kernel's blocks fit on an SM beside the
 # previous kernel's (and so request their data before it ends) follows from these numbers; the
 # code size (the cubin's `.text.KERNEL` section, 16 bytes an instruction; read with readelf)
-# bounds what a block fetches cold, since a decode kernel runs most of its code once.
+# bounds what a block fetches cold, since a decode kernel runs most of its code once. A stack
+# frame larger than the spills is local memory the code addresses (an array indexed at run time,
+# a struct picked by reference), which every thread then writes and reads through L1.
 # LILY_DEFINES (see README) applies, so a define's effect on code size shows here too.
 #   scripts/kernel_resources.sh [PATTERN]   (PATTERN: a grep -E filter on the lines, so on kernel
 #   and module names, e.g. 'moe_down .*bits_8')
@@ -36,9 +38,9 @@ for ptx in "$ptx_dir"/*.ptx; do
     echo "$log" | awk -v module="$(basename "$ptx" .ptx)" '
              NR == FNR { code[$1] = $2; next }
              /Compiling entry function/ { name = $7; gsub(/\047/, "", name) }
-             /spill stores/ { spills = $5 }
+             /spill stores/ { stack = $1; spills = $5 }
              /Used [0-9]+ registers/ {
                  smem = match($0, /[0-9]+ bytes smem/) ? substr($0, RSTART, RLENGTH - 11) : 0
-                 printf "%-28s %4s registers %5s B spilled %7s B static shared %7s B code  %s\n", name, $5,
-                     spills, smem, code[name], module }' "$ptx_dir/code" -
+                 printf "%-28s %4s registers %5s B spilled %5s B stack %7s B static shared %7s B code  %s\n",
+                     name, $5, spills, stack, smem, code[name], module }' "$ptx_dir/code" -
 done | grep -E "${1:-.}" | sort
