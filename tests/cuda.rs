@@ -1314,30 +1314,11 @@ fn routing_over_more_experts_than_a_block_has_threads_matches_the_cpu() {
     let config = ModelConfig::from_json_str(&demo_config_with(&fields).to_string()).unwrap();
     let model = bf16_random_model(config);
     let vocab = model.config.vocab_size;
-    let gpu = cuda(&model, 4);
-    let (mut batch, mut solo, mut next) = (Vec::new(), Vec::new(), Vec::new());
-    for offset in [3, 11] {
-        let prompt: Vec<u32> = (0..20).map(|i| (i * 17 + offset) % vocab as u32).collect();
-        let mut s = gpu.new_state().unwrap();
-        next.push(argmax(
-            &gpu.prefill(&mut s, &prompt, LogitsFor::Last).unwrap(),
-        ));
-        solo.push(gpu.fork(&s).unwrap());
-        batch.push(s);
-    }
-    for step in 0..3 {
-        let mut refs: Vec<_> = batch.iter_mut().collect();
-        let got = gpu.decode(&mut refs, &next).unwrap();
-        for (i, alone) in solo.iter_mut().enumerate() {
-            let want = gpu.decode(&mut [alone], &[next[i]]).unwrap();
-            assert!(
-                got[i * vocab..(i + 1) * vocab] == want[..],
-                "600 experts, batch of 2, sequence {i}, step {step}: logits differ from the \
-                 sequence decoded alone"
-            );
-            next[i] = argmax(&want);
-        }
-    }
+    let prompts: Vec<Vec<u32>> = [3, 11]
+        .iter()
+        .map(|offset| (0..20).map(|i| (i * 17 + offset) % vocab as u32).collect())
+        .collect();
+    batch_decodes_as_each_alone(&cuda(&model, 4), vocab, &prompts, 3, "600 experts");
 }
 
 /// The proportions of the family's larger sibling (Qwen3.5-397B-A17B: 4 DeltaNet value heads
@@ -1707,11 +1688,38 @@ fn batched_decode_matches_each_sequence_decoded_alone() {
     }
 }
 
-/// Batched steps on quantised weights take the projections on tensor cores (`matvec_mma`,
-/// inputs in fp16): every sequence's logits, step after step, match the CPU backend within the
-/// calibrated tolerance (the tokens fed are the CPU's greedy choices), on 4-bit and 8-bit
-/// weights, in a batch of ten (two blocks of the product's eight tokens) that loses a member
-/// mid-way.
+/// Greedy `steps` decode steps of `prompts` (each prefilled first) as one batch, each sequence's
+/// logits bit for bit those of the same sequence decoded alone (a fork of its state).
+fn batch_decodes_as_each_alone(
+    gpu: &CudaBackend,
+    vocab: usize,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    label: &str,
+) {
+    let n = prompts.len();
+    let (mut batch, mut solo, mut next) = (Vec::new(), Vec::new(), Vec::new());
+    for p in prompts {
+        let mut s = gpu.new_state().unwrap();
+        next.push(argmax(&gpu.prefill(&mut s, p, LogitsFor::Last).unwrap()));
+        solo.push(gpu.fork(&s).unwrap());
+        batch.push(s);
+    }
+    for step in 0..steps {
+        let mut refs: Vec<_> = batch.iter_mut().collect();
+        let got = gpu.decode(&mut refs, &next).unwrap();
+        for (i, alone) in solo.iter_mut().enumerate() {
+            let want = gpu.decode(&mut [alone], &[next[i]]).unwrap();
+            assert!(
+                got[i * vocab..(i + 1) * vocab] == want[..],
+                "{label}, batch of {n}, sequence {i}, step {step}: logits differ from the \
+                 sequence decoded alone"
+            );
+            next[i] = argmax(&want);
+        }
+    }
+}
+
 /// Small batches multiply each weight row with every sequence's input in turn (`matvec_tokens`:
 /// bf16 batches of up to four, quantised ones of two), in the order one sequence's step does,
 /// and every other kernel of a batched step keeps that order too: so each sequence's logits are
@@ -1732,28 +1740,7 @@ fn small_batches_decode_bit_for_bit_as_each_sequence_alone() {
         let prompts = batch_prompts(dir, vocab as u32, *largest);
         let gpu = cuda(&model, 2 * prompts.len());
         for n in 2..=prompts.len() {
-            let mut batch = Vec::new();
-            let mut solo = Vec::new();
-            let mut next = Vec::new();
-            for p in &prompts[..n] {
-                let mut s = gpu.new_state().unwrap();
-                next.push(argmax(&gpu.prefill(&mut s, p, LogitsFor::Last).unwrap()));
-                solo.push(gpu.fork(&s).unwrap());
-                batch.push(s);
-            }
-            for step in 0..3 {
-                let mut refs: Vec<_> = batch.iter_mut().collect();
-                let got = gpu.decode(&mut refs, &next).unwrap();
-                for i in 0..n {
-                    let want = gpu.decode(&mut [&mut solo[i]], &[next[i]]).unwrap();
-                    assert!(
-                        got[i * vocab..(i + 1) * vocab] == want[..],
-                        "{label}, batch of {n}, sequence {i}, step {step}: logits differ from the \
-                         sequence decoded alone"
-                    );
-                    next[i] = argmax(&want);
-                }
-            }
+            batch_decodes_as_each_alone(&gpu, vocab, &prompts[..n], 3, label);
         }
     }
 }
