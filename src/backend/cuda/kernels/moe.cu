@@ -581,11 +581,13 @@ template <int BITS>
 __device__ void shared_slice_copy(const MoeDims& d, const Weight& g, const Weight& u, const SharedSlice& s, char* slice) {
     const int row_bytes = d.hidden * BITS / 8, pieces = row_bytes / 16;
     const uint32_t dst = shared_address(slice);
+    // The row's pointers are picked, not a reference to g or u: a reference picked at run time
+    // makes both descriptors addressable, so every thread copies them to local memory first.
     for (int i = threadIdx.x; i < 2 * s.per * pieces; i += blockDim.x) {
         const int r = i / pieces, j = r % s.per;
-        const Weight& w = r < s.per ? g : u;
+        const void* data = r < s.per ? g.data : u.data;
         const bool valid = j < s.count;
-        const char* src = static_cast<const char*>(w.data) + (size_t)(valid ? s.first + j : 0) * row_bytes;
+        const char* src = static_cast<const char*>(data) + (size_t)(valid ? s.first + j : 0) * row_bytes;
         cp_async_16(dst + 16 * i, src + 16 * (i % pieces), valid);
     }
     cp_async_commit();
@@ -596,10 +598,12 @@ __device__ void shared_slice_copy(const MoeDims& d, const Weight& g, const Weigh
                                                      slice_scale_bytes<BITS>(d, s, g.group_shift));
         for (int i = threadIdx.x; i < 2 * s.per * groups; i += blockDim.x) {
             const int r = i / groups, j = r % s.per;
-            const Weight& w = r < s.per ? g : u;
+            const bool gate = r < s.per;
+            const scale_t* row_scales = gate ? g.scales : u.scales;
+            const scale_t* row_biases = gate ? g.biases : u.biases;
             const size_t at = (size_t)(s.first + j) * groups + i % groups;
-            scales[i] = j < s.count ? w.scales[at] : scale_zero();
-            biases[i] = j < s.count ? w.biases[at] : scale_zero();
+            scales[i] = j < s.count ? row_scales[at] : scale_zero();
+            biases[i] = j < s.count ? row_biases[at] : scale_zero();
         }
     }
 }
