@@ -9,6 +9,8 @@
 # is given `bench` and BENCH_ARGS (default: --synthetic --quant q4 --prompt 4096 --gen 64).
 # Prints each run's decode lines, then per variant the mean, lowest and highest tok/s (and, with
 # --critical-path in BENCH_ARGS, of the replayed step's time and each kernel's time per launch).
+# Stopped by SIGTERM or SIGINT (e.g. `timeout` running out), it prints that table for the runs
+# that finished and exits with 124, so a device call cut short still brings back what it measured.
 # Example (a build of HEAD against one of an earlier commit, and a kernel define):
 #   scripts/ab_decode.sh -r 2 old=target/gpu-old/lily new=target/gpu/lily \
 #       'ahead=env LILY_DEFINES="MOE_DOWN_STAGE_AHEAD=2" target/gpu/lily' -- --synthetic --gen 64
@@ -47,6 +49,32 @@ mkdir -p "$log"
 results="$log/results.tsv"
 : >"$results"
 status=0
+
+# Per variant and measure: runs, mean, lowest and highest of the results so far.
+summarise() {
+    echo
+    printf '%-24s %-26s %5s %9s %9s %9s\n' variant measure runs mean lowest highest
+    awk -F'\t' '
+        { key = $1 "\t" $2; if (!(key in n)) order[++keys] = key
+          n[key]++; sum[key] += $3
+          if (!(key in lo) || $3 < lo[key]) lo[key] = $3
+          if (!(key in hi) || $3 > hi[key]) hi[key] = $3 }
+        END { for (k = 1; k <= keys; k++) { key = order[k]; split(key, p, "\t")
+              printf "%-24s %-26s %5d %9.2f %9.2f %9.2f\n", p[1], p[2], n[key], sum[key] / n[key], lo[key], hi[key] } }
+    ' "$results"
+}
+
+# To the script's own stdout (descriptor 3): a signal's trap runs inside the redirection of the
+# run it stopped.
+exec 3>&1
+stopped() {
+    {
+        echo "ab_decode.sh: stopped by a signal; the runs that finished:"
+        summarise
+    } >&3
+    exit 124
+}
+trap stopped TERM INT
 
 # Runs variant $1 with BENCH_ARGS, its output in $log/$2.log.
 run() {
@@ -97,14 +125,5 @@ for ((r = 1; r <= rounds; r++)); do
         ' "$log/$name.log" >>"$results"
     done
 done
-echo
-printf '%-24s %-26s %5s %9s %9s %9s\n' variant measure runs mean lowest highest
-awk -F'\t' '
-    { key = $1 "\t" $2; if (!(key in n)) order[++keys] = key
-      n[key]++; sum[key] += $3
-      if (!(key in lo) || $3 < lo[key]) lo[key] = $3
-      if (!(key in hi) || $3 > hi[key]) hi[key] = $3 }
-    END { for (k = 1; k <= keys; k++) { key = order[k]; split(key, p, "\t")
-          printf "%-24s %-26s %5d %9.2f %9.2f %9.2f\n", p[1], p[2], n[key], sum[key] / n[key], lo[key], hi[key] } }
-' "$results"
+summarise
 exit "$status"

@@ -2,8 +2,10 @@
 (its rate chosen by the environment the variant's command sets) and records the order it ran in."""
 
 import os
+import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -11,6 +13,8 @@ SCRIPT = REPO / "scripts" / "ab_decode.sh"
 
 FAKE = """#!/usr/bin/env bash
 echo "$LABEL $*" >> "$ORDER"
+# With HANG_FROM=N, the Nth run and later hang (until a signal ends them).
+if [ -n "${HANG_FROM:-}" ] && [ "$(wc -l < "$ORDER")" -ge "$HANG_FROM" ]; then sleep 60; fi
 echo "model              synthetic"
 echo "decode             ${RATE}.0 tok/s at ~4160 context (1.300 ms/token)"
 echo "decode traffic     1.877 GB/token, 1450 GB/s achieved = 34.1% of copy bandwidth (limit 2261 tok/s)"
@@ -105,3 +109,34 @@ def test_bad_usage_is_refused(tmp_path):
         assert out.returncode == 2, args
         assert out.stderr.startswith("ab_decode.sh:"), args
         assert runs == []
+
+
+def test_a_signal_prints_the_runs_that_finished(tmp_path):
+    fake = tmp_path / "lily"
+    fake.write_text(FAKE)
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    order = tmp_path / "order.txt"
+    # Two warm-ups and round 1 finish; round 2's first run hangs, as a run cut by `timeout`.
+    env = dict(os.environ, ORDER=str(order), HANG_FROM="5")
+    args = ["-r", "3", f"a=env LABEL=a RATE=700 {fake}", f"b=env LABEL=b RATE=750 {fake}"]
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), "-l", str(tmp_path / "logs"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 30
+    while not (order.exists() and len(order.read_text().splitlines()) >= 5):
+        assert time.monotonic() < deadline, "the fifth run never started"
+        time.sleep(0.05)
+    # As `timeout` does: the whole process group, the hanging run included.
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 124, stderr
+    assert "stopped by a signal" in stdout
+    assert summary(stdout) == {
+        ("a", "one sequence"): (1, 700.0, 700.0, 700.0),
+        ("b", "one sequence"): (1, 750.0, 750.0, 750.0),
+    }
