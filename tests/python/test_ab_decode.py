@@ -30,10 +30,16 @@ exit "${FAIL:-0}"
 """
 
 
-def run(tmp_path, *args):
+def fake_lily(tmp_path):
+    """FAKE as an executable `lily` in tmp_path."""
     fake = tmp_path / "lily"
     fake.write_text(FAKE)
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    return fake
+
+
+def run(tmp_path, *args):
+    fake = fake_lily(tmp_path)
     order = tmp_path / "order.txt"
     env = dict(os.environ, ORDER=str(order))
     out = subprocess.run(
@@ -112,9 +118,7 @@ def test_bad_usage_is_refused(tmp_path):
 
 
 def test_a_signal_prints_the_runs_that_finished(tmp_path):
-    fake = tmp_path / "lily"
-    fake.write_text(FAKE)
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    fake = fake_lily(tmp_path)
     order = tmp_path / "order.txt"
     # Two warm-ups and round 1 finish; round 2's first run hangs, as a run cut by `timeout`.
     env = dict(os.environ, ORDER=str(order), HANG_FROM="5")
