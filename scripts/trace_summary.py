@@ -2,13 +2,18 @@
 """Summarises a decode-step block timeline written by `lily bench --trace FILE`.
 
     LILY_TRACE_RECORDS=200000 lily bench --synthetic --quant q4 --prompt 4096 --gen 32 --trace t.csv
-    python3 scripts/trace_summary.py t.csv [--launches]
+    python3 scripts/trace_summary.py t.csv [--launches] [--sms]
 
 For each launch (in step order) the times are taken against the end of the previous launch's
 last block (`prev_end`): `start` when its first/last block started (negative: resident before the
 previous launch ended), `wait` when its first block passed its wait for the previous kernel,
 `end` when its last block exited (the launch's length on the chain), and the spread of its
 blocks' exits. Then the same per launch name, averaged, with the step's total.
+
+`--sms` adds, per launch name, how many SMs worked (held a block that passed its wait; blocks
+with nothing to do exit before it) and the median over those SMs of how long each held the
+launch's blocks (its first block's start to its last block's exit): a launch's bytes over its
+working SMs and that span is what one SM took in while the launch ran.
 """
 import csv
 import statistics
@@ -16,22 +21,46 @@ import sys
 from collections import OrderedDict, defaultdict
 
 
+def read(lines):
+    """The launches of a trace (CSV lines), in step order: name and (start, waited, end, sm) per
+    block, waited None for a block that exited without waiting."""
+    launches = OrderedDict()
+    for row in csv.DictReader(lines):
+        key = int(row["launch"])
+        entry = launches.setdefault(key, {"name": row["name"], "blocks": []})
+        waited = int(row["waited_ns"]) if row["waited_ns"] else None
+        entry["blocks"].append((int(row["start_ns"]), waited, int(row["end_ns"]), int(row["sm"])))
+    return OrderedDict(sorted(launches.items()))
+
+
+def sm_spans(launches):
+    """Per launch name: (mean working SMs per launch, mean over its launches of the median
+    working SM's span in ns), as `--sms` prints them."""
+    per_name = OrderedDict()
+    for entry in launches.values():
+        spans = {}
+        for start, waited, end, sm in entry["blocks"]:
+            if waited is None:
+                continue
+            first, last = spans.get(sm, (start, end))
+            spans[sm] = (min(first, start), max(last, end))
+        if spans:
+            median = statistics.median(last - first for first, last in spans.values())
+            per_name.setdefault(entry["name"], []).append((len(spans), median))
+    return OrderedDict(
+        (name, (statistics.mean(n for n, _ in v), statistics.mean(m for _, m in v)))
+        for name, v in per_name.items()
+    )
+
+
 def main():
     path = sys.argv[1]
     per_launch = "--launches" in sys.argv
-    launches = OrderedDict()
     with open(path) as f:
-        for row in csv.DictReader(f):
-            key = int(row["launch"])
-            entry = launches.setdefault(key, {"name": row["name"], "blocks": []})
-            waited = int(row["waited_ns"]) if row["waited_ns"] else None
-            entry["blocks"].append(
-                (int(row["start_ns"]), waited, int(row["end_ns"]), int(row["sm"]))
-            )
+        launches = read(f)
     rows = []
     prev_end = None
-    for key in sorted(launches):
-        e = launches[key]
+    for key, e in launches.items():
         starts = sorted(b[0] for b in e["blocks"])
         waits = sorted(b[1] for b in e["blocks"] if b[1] is not None)
         ends = sorted(b[2] for b in e["blocks"])
@@ -97,6 +126,10 @@ def main():
             gaps[r["name"]].append(r["first_wait"])
     print("release after the previous launch's last exit (first wait, us): "
           + ", ".join(f"{n} {statistics.mean(v) / 1e3:.2f}" for n, v in gaps.items()))
+    if "--sms" in sys.argv:
+        print("\nper launch name: SMs that worked (a block past its wait), median us one held the launch")
+        for name, (sms, span) in sm_spans(launches).items():
+            print(f"{name:<20} {sms:>6.1f} {span / 1e3:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""scripts/trace_summary.py on a small block timeline in `lily bench --trace`'s CSV layout: two
+launches of one kernel and one of another, with blocks sharing an SM and a block that exits
+without waiting (a split with no positions)."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "trace_summary.py"
+spec = importlib.util.spec_from_file_location("trace_summary", SCRIPT)
+trace_summary = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(trace_summary)
+
+# launch, name, block, sm, start_ns, waited_ns, end_ns
+BLOCKS = [
+    # Launch 0: SM 3 holds two blocks (its span runs from the first's start to the second's exit),
+    # SM 5 one; the block on SM 7 has nothing to do and leaves before the wait.
+    (0, "matvec", 0, 3, 0, 500, 4_000),
+    (0, "matvec", 1, 3, 1_000, 1_500, 6_000),
+    (0, "matvec", 2, 5, 200, 600, 2_200),
+    (0, "matvec", 3, 7, 100, None, 300),
+    # Launch 1, of another kernel, after launch 0's last exit (6,000).
+    (1, "split", 0, 3, 5_000, 6_500, 9_000),
+    (1, "split", 1, 5, 5_500, 6_600, 10_000),
+    # Launch 2: matvec again, on one SM.
+    (2, "matvec", 0, 5, 9_000, 10_500, 13_000),
+]
+
+
+def csv_lines():
+    lines = ["launch,name,block,sm,start_ns,waited_ns,end_ns"]
+    for launch, name, block, sm, start, waited, end in BLOCKS:
+        lines.append(f"{launch},{name},{block},{sm},{start},{'' if waited is None else waited},{end}")
+    return lines
+
+
+def test_read_keeps_launch_order_and_blocks_without_a_wait():
+    launches = trace_summary.read(csv_lines())
+    assert list(launches) == [0, 1, 2]
+    assert [e["name"] for e in launches.values()] == ["matvec", "split", "matvec"]
+    assert launches[0]["blocks"][3] == (100, None, 300, 7)
+
+
+def test_sm_spans_count_only_working_sms_and_span_their_blocks():
+    spans = trace_summary.sm_spans(trace_summary.read(csv_lines()))
+    # matvec: launch 0 works on SMs 3 (0 -> 6,000) and 5 (200 -> 2,200), median 4,000; SM 7 idles.
+    # Launch 2: one SM, 4,000. Means over the two launches: 1.5 SMs, 4,000 ns.
+    assert spans["matvec"] == (pytest.approx(1.5), pytest.approx(4_000))
+    # split: spans 4,000 and 4,500.
+    assert spans["split"] == (pytest.approx(2), pytest.approx(4_250))
+
+
+def test_script_prints_the_sm_table(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("\n".join(csv_lines()) + "\n")
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), str(trace), "--launches", "--sms"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "3 launches; step 13.0 us from first start to last exit" in out
+    table = out.split("median us one held the launch\n", 1)[1].splitlines()
+    assert table[0].split() == ["matvec", "1.5", "4.00"]
+    assert table[1].split() == ["split", "2.0", "4.25"]
