@@ -448,6 +448,41 @@ mod tests {
         );
     }
 
+    /// The name of each `extern "C" __global__` kernel in `src`: the first identifier before a
+    /// `(` that is not an attribute such as `__launch_bounds__(256)`.
+    fn kernels_defined_in(src: &str) -> Vec<&str> {
+        src.split("extern \"C\" __global__")
+            .skip(1)
+            .map(|rest| {
+                let head = &rest[..rest.find('{').unwrap_or(rest.len())];
+                head.split('(')
+                    .filter_map(|part| part.split_whitespace().last())
+                    .find(|word| !word.starts_with("__"))
+                    .expect("a kernel has a name")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_kernel_a_module_defines_is_one_the_backend_loads() {
+        assert_eq!(
+            kernels_defined_in(
+                "extern \"C\" __global__ void __launch_bounds__(256, 4) a_b(int x) {}"
+            ),
+            vec!["a_b"]
+        );
+        for (module, src) in MODULES {
+            let defined = kernels_defined_in(src);
+            assert!(!defined.is_empty(), "module `{module}` defines no kernel");
+            for kernel in defined {
+                assert!(
+                    kernel_names(module).contains(&kernel),
+                    "kernel `{kernel}` of module `{module}` is not in kernel_names"
+                );
+            }
+        }
+    }
+
     #[test]
     fn cache_entries_are_replaced_whole_and_leave_no_temporary_file() {
         let dir = tempfile::tempdir().unwrap();
