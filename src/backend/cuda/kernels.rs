@@ -158,21 +158,26 @@ fn full_source(src: &str) -> String {
     s
 }
 
+/// The kernels a compiled module's `ptx` defines (its `.entry` names).
+fn defined_kernels(ptx: &str) -> impl Iterator<Item = &str> {
+    ptx.split(".entry ")
+        .skip(1)
+        .filter_map(|rest| rest.split('(').next())
+}
+
 /// The kernels of module `name` the backend loads that its compiled `ptx` does not define.
 fn missing_kernels(name: &str, ptx: &str) -> Vec<&'static str> {
     kernel_names(name)
         .iter()
         .copied()
-        .filter(|k| !ptx.contains(&format!(".entry {k}(")))
+        .filter(|k| !defined_kernels(ptx).any(|d| d == *k))
         .collect()
 }
 
 /// The kernels module `name`'s compiled `ptx` defines that the backend does not load (a kernel
 /// added to a `.cu` file but not to `kernel_names` would fail only when first launched).
 fn unlisted_kernels<'p>(name: &str, ptx: &'p str) -> Vec<&'p str> {
-    ptx.split(".entry ")
-        .skip(1)
-        .filter_map(|rest| rest.split('(').next())
+    defined_kernels(ptx)
         .filter(|k| !kernel_names(name).contains(k))
         .collect()
 }
