@@ -1,0 +1,454 @@
+// Microbenchmark (not part of lily): what a persistent decode kernel that streams every SM's
+// coming weights into a deep shared-memory ring would buy over lily's separate kernels, on a
+// chain of 40 dependent 4-bit mat-vecs with lily's own staging and integer dot:
+//   lily        lily's `matvec` / `matvec_two_rows` (included from the kernel sources), launched
+//               as lily launches them (up to three blocks per SM, programmatic dependent launch,
+//               a CUDA graph);
+//   stream      one kernel for the whole chain, one block per SM, which owns a contiguous slice
+//               of every product's rows. Thread 0 keeps the block's slices of the coming
+//               products on their way into a ring of ~200 KB of shared memory (TMA bulk copies,
+//               an mbarrier per product), as many products ahead as the ring holds, issuing more
+//               each time a product's slice is used up. A product waits for the previous one
+//               through a counter that every block bumps after its rows (thread 0 polls it with
+//               an acquire load), stages x as lily's 256-thread blocks do (bit for bit), waits
+//               for its slice and dots it from shared memory.
+//   routed      the same, but the slices of the products the second argument marks (bit j:
+//               shape j of the list) are requested only once the product before the first of a
+//               run of marked ones has finished: the routed experts' rows cannot be known
+//               before the routing;
+//   unstreamed  the same, every slice requested only once the previous product has finished
+//               (what streaming ahead buys).
+// The stream modes run with 512 and 256 threads per block. They also print where a product's
+// time goes (globaltimer stamps per block, means over the products of each shape of the median
+// block, from the previous product's last block to finish): dependency seen, x staged, slice
+// arrived, rows done. Products given as ROWSxCOLS,... (COLS 2048 or 4096; repeated to 40; each
+// reads the first COLS outputs of the one before). The shapes of a DeltaNet layer and its MoE:
+// in_proj, a small product standing for the recurrent step, out_proj, the router, the routed
+// gate/up, the routed down.
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o stream_chain scripts/microbench/stream_chain.cu
+//   ./stream_chain 12352x2048,2048x2048,2048x4096,1024x2048,8192x2048,2048x4096 0x30
+// Without a GPU, `nvcc -c` checks that it compiles (see cascade_chain.cu for the packages).
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+// lily's kernels, as NVRTC sees them (its prelude spells out uint64_t differently from glibc).
+#define uint64_t lily_uint64_t
+#include "../../src/backend/cuda/kernels/common.cuh"
+#include "../../src/backend/cuda/kernels/rowdot.cuh"
+#include "../../src/backend/cuda/kernels/matvec.cu"
+#undef uint64_t
+
+#include "chain_host.h"
+
+constexpr int PRODUCTS = 40;
+constexpr int DEPTH = 16;          // products whose slices may be in flight at once (mbarriers)
+constexpr int FLAG_STRIDE = 32;    // a product's counter every 128 bytes
+constexpr int STAMPS = 4;          // per product and block: dependency, staged, slice, done
+constexpr int PIECE = 16384;       // bytes per bulk copy
+
+struct Product {
+    Weight w;
+    const float* x;  // input: the previous product's output (or the chain's input)
+    float* y;
+    int dep;         // the last product whose end this one's slice must wait for (-1: none)
+};
+
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_to_shared(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile(
+            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+}
+__device__ __forceinline__ float lds_scale(uint32_t address) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(address));
+    return scale_bits_f32(v);
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The first row of block b of `blocks` (rows dealt as evenly as they divide).
+__host__ __device__ inline int slice_row(int rows, int blocks, int b) { return (int)((long long)rows * b / blocks); }
+
+__host__ __device__ inline uint32_t round16(uint32_t v) { return (v + 15u) & ~15u; }
+
+// Bytes of a block's slice of w in the ring: rows, then scales, then biases (each 16-byte whole).
+__host__ __device__ inline uint32_t slice_bytes(const Weight& w, int nrows) {
+    return (uint32_t)nrows * (w.cols / 2) + 2u * round16((uint32_t)nrows * (w.cols / 64) * 2u);
+}
+
+// The ring's bookkeeping, in shared memory, touched by thread 0 only.
+struct Ring {
+    unsigned long long bars[DEPTH];
+    unsigned long long start[DEPTH];  // where product i % DEPTH's slice begins (bytes, monotonic)
+    unsigned long long head, tail;    // end of the last slice issued / used up
+    int next;                         // the next product to issue
+};
+
+// Issues the slices of products next.. while the ring has room, fewer than DEPTH are in flight
+// past `current`, and their dependency has ended (finished: products < finished have ended).
+__device__ void issue_slices(const Product* prods, Ring& ring, uint32_t ring_base, uint32_t ring_bytes, int current,
+                             int finished) {
+    while (ring.next < PRODUCTS && ring.next - current < DEPTH) {
+        const Product& p = prods[ring.next];
+        if (p.dep >= finished) return;
+        const Weight& w = p.w;
+        const int r0 = slice_row(w.rows, gridDim.x, blockIdx.x), r1 = slice_row(w.rows, gridDim.x, blockIdx.x + 1);
+        const uint32_t bytes = slice_bytes(w, r1 - r0);
+        unsigned long long at = ring.head;
+        if (at % ring_bytes + bytes > ring_bytes) at += ring_bytes - at % ring_bytes;  // no wrap inside a slice
+        if (at + bytes - ring.tail > ring_bytes) return;
+        const uint32_t bar = shared_address(&ring.bars[ring.next % DEPTH]);
+        mbar_expect_tx(bar, bytes);
+        const uint32_t dst = ring_base + (uint32_t)(at % ring_bytes);
+        const uint32_t wbytes = (uint32_t)(r1 - r0) * (w.cols / 2), sbytes = (uint32_t)(r1 - r0) * (w.cols / 64) * 2;
+        const char* src = static_cast<const char*>(w.data) + (size_t)r0 * (w.cols / 2);
+        for (uint32_t off = 0; off < wbytes; off += PIECE) bulk_to_shared(dst + off, src + off, min((uint32_t)PIECE, wbytes - off), bar);
+        if (sbytes > 0) {
+            bulk_to_shared(dst + wbytes, w.scales + (size_t)r0 * (w.cols / 64), sbytes, bar);
+            bulk_to_shared(dst + wbytes + round16(sbytes), w.biases + (size_t)r0 * (w.cols / 64), sbytes, bar);
+        }
+        // A slice whose scale bytes are not whole 16s leaves padding that no copy fills: counted
+        // as arrived (none of this chain's shapes has one).
+        if (round16(sbytes) != sbytes) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 0;" ::"r"(bar));
+        ring.start[ring.next % DEPTH] = at;
+        ring.head = at + bytes;
+        ++ring.next;
+    }
+}
+
+// This block's rows of product p from its slice at shared address ws (CPL chunks per lane).
+template <int CPL>
+__device__ void dot_slice(const Weight& w, int r0, int nrows, uint32_t ws, const float* xs, float inv, float* y) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int row_bytes = w.cols / 2, groups = w.cols / 64;
+    const uint32_t ss = ws + nrows * row_bytes, bs = ss + round16(nrows * groups * 2);
+    const StagedX sx = staged_x<4>(xs, w.cols);
+    uint4 xq[CPL][4];
+    float2 xst[CPL];
+#pragma unroll
+    for (int j = 0; j < CPL; ++j) {
+        const int c = lane + 32 * j;
+        load_x<4>(sx, c, xq[j]);
+        xst[j] = lds64(sx.csum + 8u * c);
+    }
+    for (int r = warp; r < nrows; r += 2 * warps) {
+        const int rr[2] = {r, r + warps};
+        float acc[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if (rr[i] >= nrows) continue;
+#pragma unroll
+            for (int j = 0; j < CPL; ++j) {
+                const int c = lane + 32 * j;
+                const uint4 u = lds128(ws + rr[i] * row_bytes + c * 16);
+                const uint32_t g = (rr[i] * groups + (c >> 1)) * 2;
+                const float s = lds_scale(ss + g), b = lds_scale(bs + g);
+                int q = word_dot4(u.x, xq[j][0], 0);
+                q = word_dot4(u.y, xq[j][1], q);
+                q = word_dot4(u.z, xq[j][2], q);
+                q = word_dot4(u.w, xq[j][3], q);
+                acc[i] = fmaf(s * xst[j].x, static_cast<float>(q), acc[i]);
+                acc[i] = fmaf(b, xst[j].y, acc[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float v = warp_sum(acc[i]) * inv;
+            if (lane == 0 && rr[i] < nrows) y[r0 + rr[i]] = v;
+        }
+    }
+}
+
+// The whole chain in one launch (one block per SM). flags: a counter per product (FLAG_STRIDE
+// apart), bumped by every block once its rows are stored; they only grow, and this replay's
+// target is (*step + 1) * gridDim.x. Shared memory: x staged, 64 floats of scratch, then the
+// ring of ring_bytes.
+__global__ void __launch_bounds__(512, 1) chain_stream(const Product* prods, const float* norm_scale, float eps,
+                                                       unsigned* flags, const unsigned* step, uint32_t ring_bytes,
+                                                       unsigned long long* stamps, unsigned long long* chain_time) {
+    extern __shared__ __align__(16) float smem[];
+    __shared__ Ring ring;
+    float* xs = smem;
+    float* scratch = xs + staged_floats(4096);
+    const uint32_t ring_base = shared_address(scratch + 64);
+    const unsigned long long t_start = now_ns();
+    const unsigned target = (*(volatile const unsigned*)step + 1u) * gridDim.x;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < DEPTH; ++i) mbar_init(shared_address(&ring.bars[i]), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        ring.head = ring.tail = 0;
+        ring.next = 0;
+        issue_slices(prods, ring, ring_base, ring_bytes, 0, 0);
+    }
+    __syncthreads();
+    for (int i = 0; i < PRODUCTS; ++i) {
+        const Product& p = prods[i];
+        if (i > 0 && threadIdx.x == 0) {
+            while (ld_acquire(flags + (i - 1) * FLAG_STRIDE) < target) {}
+            // With the previous product ended, the slices that waited for it may go.
+            issue_slices(prods, ring, ring_base, ring_bytes, i, i);
+        }
+        __syncthreads();
+        const unsigned long long t1 = now_ns();
+        const StageSource src = {p.x, 0, p.w.cols, 1, nullptr};
+        const float inv = stage<4, 256>(src, norm_scale, eps, xs, scratch);
+        const unsigned long long t2 = now_ns();
+        const int r0 = slice_row(p.w.rows, gridDim.x, blockIdx.x), r1 = slice_row(p.w.rows, gridDim.x, blockIdx.x + 1);
+        mbar_wait(shared_address(&ring.bars[i % DEPTH]), (i / DEPTH) & 1);
+        const unsigned long long t3 = now_ns();
+        const uint32_t ws = ring_base + (uint32_t)(ring.start[i % DEPTH] % ring_bytes);
+        if (p.w.cols == 2048)
+            dot_slice<2>(p.w, r0, r1 - r0, ws, xs, inv, p.y);
+        else
+            dot_slice<4>(p.w, r0, r1 - r0, ws, xs, inv, p.y);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(flags + i * FLAG_STRIDE, 1u);
+            ring.tail = ring.start[i % DEPTH] + slice_bytes(p.w, r1 - r0);
+            // Room freed: the coming slices whose dependency has ended go now.
+            issue_slices(prods, ring, ring_base, ring_bytes, i + 1, i);
+            unsigned long long* s = stamps + ((size_t)i * gridDim.x + blockIdx.x) * STAMPS;
+            s[0] = t1, s[1] = t2, s[2] = t3, s[3] = now_ns();
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        while (ld_acquire(flags + (PRODUCTS - 1) * FLAG_STRIDE) < target) {}
+        *chain_time += now_ns() - t_start;
+    }
+}
+
+// The last launch of a replay: the next replay's counters' target.
+__global__ void bump_step(unsigned* step) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    *step += 1;
+}
+
+__device__ __forceinline__ uint32_t mix(uint32_t v) {
+    v ^= v >> 16;
+    v *= 0x7feb352du;
+    v ^= v >> 15;
+    v *= 0x846ca68bu;
+    v ^= v >> 16;
+    return v;
+}
+
+__global__ void fill_weights(uint32_t* data, scale_t* scales, scale_t* biases, size_t words, size_t groups, int cols,
+                             uint32_t seed) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride) data[i] = mix((uint32_t)i * 2654435761u ^ seed);
+    const float s0 = 1.0f / (4.0f * sqrtf((float)cols));
+    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
+        const float s = s0 * (0.5f + (mix((uint32_t)i ^ seed ^ 0x5bd1e995u) & 1023) / 1024.0f);
+        scales[i] = __float2bfloat16(s);
+        biases[i] = __float2bfloat16(-7.5f * s);
+    }
+}
+
+int main(int argc, char** argv) {
+    const char* spec = argc > 1 ? argv[1] : "12352x2048,2048x2048,2048x4096,1024x2048,8192x2048,2048x4096";
+    const unsigned routed_shapes = argc > 2 ? (unsigned)strtoul(argv[2], nullptr, 0) : 0x30u;
+    std::vector<std::pair<int, int>> shapes;
+    if (!parse_shapes(spec, shapes)) return 1;
+    int sms, max_smem;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    std::vector<Weight> layers(PRODUCTS);
+    size_t total_bytes = 0;
+    int max_rows = 0;
+    const int ring_bytes = (max_smem - (int)sizeof(Ring) - (staged_floats(4096) + 64) * 4 - 256) & ~1023;
+    for (int i = 0; i < PRODUCTS; ++i) {
+        Weight& l = layers[i];
+        l.rows = shapes[i % shapes.size()].first;
+        l.cols = shapes[i % shapes.size()].second;
+        l.bits = 4;
+        l.group_shift = 6;
+        if ((l.cols != 2048 && l.cols != 4096) || (i > 0 && l.cols > std::max(layers[i - 1].rows, 4096))) {
+            printf("product %d: %dx%d does not chain\n", i, l.rows, l.cols);
+            return 1;
+        }
+        const int most = slice_row(l.rows, sms, sms) - slice_row(l.rows, sms, sms - 1) + 1;
+        if ((int)slice_bytes(l, most) > ring_bytes) {
+            printf("product %d: a block's slice of %dx%d does not fit the %d-byte ring\n", i, l.rows, l.cols, ring_bytes);
+            return 1;
+        }
+        max_rows = std::max(max_rows, l.rows);
+        const size_t words = (size_t)l.rows * l.cols / 8, groups = (size_t)l.rows * l.cols / 64;
+        uint32_t* d;
+        scale_t *s, *b;
+        CHECK(cudaMalloc(&d, words * 4));
+        CHECK(cudaMalloc(&s, groups * 2));
+        CHECK(cudaMalloc(&b, groups * 2));
+        fill_weights<<<1024, 256>>>(d, s, b, words, groups, l.cols, 0x9E3779B9u * (i + 1));
+        l.data = d;
+        l.scales = s;
+        l.biases = b;
+        total_bytes += words * 4 + groups * 4;
+    }
+    const int x_len = std::max(max_rows, 8192);
+    std::vector<float> hx(x_len), ones(x_len, 1.0f);
+    for (int i = 0; i < x_len; ++i) hx[i] = std::sin(0.37f * i);
+    float *x0, *norm;
+    CHECK(cudaMalloc(&x0, x_len * 4));
+    CHECK(cudaMalloc(&norm, x_len * 4));
+    CHECK(cudaMemcpy(x0, hx.data(), x_len * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(norm, ones.data(), x_len * 4, cudaMemcpyHostToDevice));
+    std::vector<float*> ys(PRODUCTS);
+    for (int i = 0; i < PRODUCTS; ++i) {
+        CHECK(cudaMalloc(&ys[i], x_len * 4));
+        CHECK(cudaMemset(ys[i], 0, x_len * 4));
+    }
+    unsigned *flags, *step;
+    CHECK(cudaMalloc(&flags, PRODUCTS * FLAG_STRIDE * 4));
+    CHECK(cudaMemset(flags, 0, PRODUCTS * FLAG_STRIDE * 4));
+    CHECK(cudaMalloc(&step, 4));
+    CHECK(cudaMemset(step, 0, 4));
+    unsigned long long *stamps, *chain_time;
+    CHECK(cudaMalloc(&stamps, (size_t)PRODUCTS * sms * STAMPS * 8));
+    CHECK(cudaMalloc(&chain_time, 8));
+    Product* prods;
+    CHECK(cudaMalloc(&prods, PRODUCTS * sizeof(Product)));
+    const size_t stream_smem = (size_t)(staged_floats(4096) + 64) * 4 + ring_bytes;
+    CHECK(cudaFuncSetAttribute(chain_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stream_smem));
+    cudaStream_t stream;
+    CHECK(cudaStreamCreate(&stream));
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    const float eps = 1e-6f;
+    const int reps = 200;
+    printf("%d SMs, ring %d bytes per block, chain %s (%.1f MB), routed shapes 0x%x\n", sms, ring_bytes, spec,
+           total_bytes / 1e6, routed_shapes);
+
+    // Modes: 0 lily; then stream, routed, unstreamed with 512 threads; the same with 256.
+    const char* names[] = {"lily matvec", "stream, 512", "routed, 512", "unstreamed, 512",
+                           "stream, 256", "routed, 256", "unstreamed, 256"};
+    const int modes = 7;
+    std::vector<std::vector<float>> outs;
+    for (int mode = 0; mode < modes; ++mode) {
+        const int kind = mode == 0 ? -1 : (mode - 1) % 3;  // 0 stream, 1 routed, 2 unstreamed
+        const int threads = mode >= 4 ? 256 : 512;
+        std::vector<Product> hp(PRODUCTS);
+        for (int i = 0; i < PRODUCTS; ++i) {
+            hp[i] = {layers[i], i == 0 ? x0 : ys[i - 1], ys[i], -1};
+            if (kind == 2) hp[i].dep = i - 1;
+            if (kind == 1 && (routed_shapes >> (i % shapes.size()) & 1u)) {
+                int d = i - 1;
+                while (d >= 0 && (routed_shapes >> (d % shapes.size()) & 1u)) --d;
+                hp[i].dep = d;
+            }
+        }
+        CHECK(cudaMemcpy(prods, hp.data(), hp.size() * sizeof(Product), cudaMemcpyHostToDevice));
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        if (mode == 0) {
+            cudaLaunchAttribute attr;
+            attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            attr.val.programmaticStreamSerializationAllowed = 1;
+            for (int i = 0; i < PRODUCTS; ++i) {
+                const Weight& l = layers[i];
+                const float* x = i == 0 ? x0 : ys[i - 1];
+                cudaLaunchConfig_t cfg = {};
+                cfg.stream = stream;
+                cfg.attrs = &attr;
+                cfg.numAttrs = 1;
+                const int r = l.cols <= 2048 ? 2 : 1;
+                cfg.gridDim = dim3(std::min((l.rows + 8 * r - 1) / (8 * r), 3 * sms));
+                cfg.blockDim = dim3(256);
+                cfg.dynamicSmemBytes = (64 + staged_floats(l.cols)) * 4;
+                const float* no_add = nullptr;
+                if (r == 2)
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec_two_rows, l, x, (const float*)norm, eps, ys[i], no_add));
+                else
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec, l, x, (const float*)norm, eps, ys[i], no_add));
+            }
+        } else {
+            chain_stream<<<sms, threads, stream_smem, stream>>>(prods, norm, eps, flags, step, (uint32_t)ring_bytes,
+                                                                 stamps, chain_time);
+            CHECK(cudaGetLastError());
+            bump_step<<<1, 1, 0, stream>>>(step);
+        }
+        CHECK(cudaStreamEndCapture(stream, &graph));
+        CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int r = 0; r < 10; ++r) CHECK(cudaGraphLaunch(exec, stream));
+        CHECK(cudaStreamSynchronize(stream));
+        CHECK(cudaMemset(chain_time, 0, 8));
+        const double us = replay_us(exec, stream, reps, e0, e1);
+        printf("%-18s %8.1f us per chain, %6.2f us per product, %6.0f GB/s", names[mode], us, us / PRODUCTS,
+               total_bytes / (us * 1e3));
+        if (mode > 0) {
+            unsigned long long t;
+            CHECK(cudaMemcpy(&t, chain_time, 8, cudaMemcpyDeviceToHost));
+            printf("  (the kernel itself %.2f us per product)", t / 1e3 / reps / PRODUCTS);
+            // Per shape, means over its products after the first of the median block's stamps
+            // (and the last block's end), from the previous product's last block to finish.
+            std::vector<unsigned long long> st((size_t)PRODUCTS * sms * STAMPS);
+            CHECK(cudaMemcpy(st.data(), stamps, st.size() * 8, cudaMemcpyDeviceToHost));
+            const int kinds = (int)shapes.size();
+            std::vector<std::vector<double>> ph(kinds, std::vector<double>(5, 0.0));
+            std::vector<int> n(kinds, 0);
+            unsigned long long prev_end = 0;
+            for (int i = 0; i < PRODUCTS; ++i) {
+                std::vector<unsigned long long> v[STAMPS];
+                for (int b = 0; b < sms; ++b)
+                    for (int k = 0; k < STAMPS; ++k) v[k].push_back(st[((size_t)i * sms + b) * STAMPS + k]);
+                for (int k = 0; k < STAMPS; ++k) std::sort(v[k].begin(), v[k].end());
+                if (i > 0) {
+                    std::vector<double>& q = ph[i % kinds];
+                    for (int k = 0; k < STAMPS; ++k) q[k] += ((double)v[k][sms / 2] - (double)prev_end) / 1e3;
+                    q[4] += ((double)v[3].back() - (double)prev_end) / 1e3;
+                    n[i % kinds]++;
+                }
+                prev_end = v[3].back();
+            }
+            for (int k = 0; k < kinds; ++k) {
+                const double m = n[k] ? 1.0 / n[k] : 0.0;
+                printf("\n    %dx%d: dependency seen %.2f, staged %.2f, slice %.2f, done %.2f / last %.2f", shapes[k].first,
+                       shapes[k].second, ph[k][0] * m, ph[k][1] * m, ph[k][2] * m, ph[k][3] * m, ph[k][4] * m);
+            }
+        }
+        printf("\n");
+        std::vector<float> h(layers[PRODUCTS - 1].rows);
+        CHECK(cudaMemcpy(h.data(), ys[PRODUCTS - 1], h.size() * 4, cudaMemcpyDeviceToHost));
+        outs.push_back(h);
+        CHECK(cudaGraphExecDestroy(exec));
+        CHECK(cudaGraphDestroy(graph));
+    }
+    for (int mode = 1; mode < modes; ++mode) {
+        double num = 0, den = 0;
+        for (size_t i = 0; i < outs[0].size(); ++i) {
+            num = std::max(num, (double)std::fabs(outs[0][i] - outs[mode][i]));
+            den = std::max(den, (double)std::fabs(outs[0][i]));
+        }
+        printf("%s: max |difference from lily| = %.3e of max %.3e\n", names[mode], num, den);
+    }
+    return 0;
+}
