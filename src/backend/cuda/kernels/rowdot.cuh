@@ -226,40 +226,50 @@ __device__ float stage(const StageSource& src, const float* norm_scale, float ep
     return staged_scale<THREADS>(stages, ss, norm_scale, cols, eps, scratch);
 }
 
-// stage() in two halves, where no staging thread has more than one 8-value word of the input
-// (stage_holds): stage_hold loads this thread's word (norm applied, squares summed) into
-// registers, stage_held stores it, then synchronises and returns the scale as stage() does. Bit for
-// bit stage<BITS, THREADS>, but a block can take the input's L2 round trip early and leave the
+// stage() in two halves, where no staging thread has more than W 8-value words of the input
+// (stage_holds): stage_hold loads this thread's words (norm applied, squares summed) into
+// registers, stage_held stores them, then synchronises and returns the scale as stage() does. Bit
+// for bit stage<BITS, THREADS>, but a block can take the input's L2 round trip early and leave the
 // staging itself (shuffles, stores, a barrier) until after other work.
-struct HeldWord {
-    float e[8];
+template <int W = 1>
+struct HeldWords {
+    float e[W][8];
     float ss;
 };
+using HeldWord = HeldWords<1>;
 
-template <int THREADS>
+template <int THREADS, int W = 1>
 __device__ __forceinline__ bool stage_holds(const StageSource& src) {
     const int words = src.seg_cols * src.segments / 8;
-    return ((words + 31) & ~31) <= (THREADS == 0 ? (int)blockDim.x : THREADS);
+    return ((words + 31) & ~31) <= W * (THREADS == 0 ? (int)blockDim.x : THREADS);
 }
 
-template <int THREADS>
-__device__ __forceinline__ void stage_hold(const StageSource& src, const float* norm_scale, HeldWord& h) {
-    const int words = src.seg_cols * src.segments / 8;
+// Word k of this thread is stage()'s k-th trip: word threadIdx.x + k * (the staging threads).
+template <int THREADS, int W = 1>
+__device__ __forceinline__ void stage_hold(const StageSource& src, const float* norm_scale, HeldWords<W>& h) {
+    const int words = src.seg_cols * src.segments / 8, stride = THREADS == 0 ? (int)blockDim.x : THREADS;
     h.ss = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) h.e[j] = 0.0f;
-    if ((THREADS == 0 || threadIdx.x < THREADS) && threadIdx.x < words)
-        source_eight(src, norm_scale, 8 * threadIdx.x, h.e, h.ss);
+    for (int k = 0; k < W; ++k) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h.e[k][j] = 0.0f;
+        const int t = threadIdx.x + k * stride;
+        if ((THREADS == 0 || threadIdx.x < THREADS) && t < words) source_eight(src, norm_scale, 8 * t, h.e[k], h.ss);
+    }
 }
 
-template <int BITS, int THREADS>
-__device__ float stage_held(const StageSource& src, const float* norm_scale, float eps, const HeldWord& h,
+template <int BITS, int THREADS, int W = 1>
+__device__ float stage_held(const StageSource& src, const float* norm_scale, float eps, const HeldWords<W>& h,
                             float* xs, float* scratch) {
     const bool stages = THREADS == 0 || threadIdx.x < THREADS;
     const int cols = src.seg_cols * src.segments, words = cols / 8;
-    // stage()'s loop, which runs at most once per thread here (whole warps: stage_word shuffles).
-    if (stages && (int)threadIdx.x < ((words + 31) & ~31))
-        stage_word<BITS>(threadIdx.x, (int)threadIdx.x < words, cols, h.e, xs);
+    const int stride = THREADS == 0 ? (int)blockDim.x : THREADS;
+    // stage()'s loop, which runs at most W times per thread here (whole warps: stage_word shuffles).
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+        const int t = threadIdx.x + k * stride;
+        if (stages && t < ((words + 31) & ~31)) stage_word<BITS>(t, t < words, cols, h.e[k], xs);
+    }
     return staged_scale<THREADS>(stages, h.ss, norm_scale, cols, eps, scratch);
 }
 
@@ -499,6 +509,10 @@ __device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], const StagedX&
 // them, persistent over the rows. Each warp computes R rows at a time, U 16-byte chunks of each
 // per lane per pass: R = 4, U = 2 for tall matrices; R = 1, U = 4 for short ones, which then
 // spread over more blocks.
+// Words of x per thread up to which matvec_impl requests x before its first rows (0: never).
+#ifndef MATVEC_X_WORDS
+#define MATVEC_X_WORDS 1
+#endif
 template <int BITS, int R, int U>
 __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
                             const float* add, float* smem, int block, int blocks) {
@@ -511,17 +525,32 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
     Pass<R, U> pass;
 #pragma unroll
     for (int i = 0; i < R; ++i) rows[i] = row_ref(w, row0 + i);
-    // The first rows' weights are in flight while the previous kernel finishes and x is staged;
-    // so are the first rows of `add` (the caller guarantees the launch just before did not
-    // write it).
-    load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
+    const StageSource src = {x, 0, w.cols, 1, nullptr};
+    // Where every thread holds at most MATVEC_X_WORDS words of x, x's L2 read is requested right
+    // after the wait and the first rows' weights just after it; otherwise the weights are
+    // requested before the wait. A block placed only as the previous kernel's blocks leave (most
+    // of in_proj's and qkv's) passes its wait at once, and an L2 read requested behind an SM's
+    // weight requests returns only after their bytes (scripts/microbench/stream_chain.cu): x
+    // first, its staging overlaps the weights' arrival instead of following it (+1.4% on an H100).
+    constexpr int XW = MATVEC_X_WORDS;
+    const bool x_first = XW > 0 && stage_holds<0, (XW > 0 ? XW : 1)>(src);
+    // The first rows of `add` are read before the wait (the caller guarantees the launch just
+    // before did not write it).
+    if (!x_first) load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
     float prior[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) prior[i] = add != nullptr && lane == 0 && row0 + i < w.rows ? add[row0 + i] : 0.0f;
     const int first_row0 = row0;
     wait_for_previous_kernel();
-    const StageSource src = {x, 0, w.cols, 1, nullptr};
-    const float x_scale = stage<BITS>(src, norm_scale, eps, xs, smem);
+    float x_scale;
+    if (x_first) {
+        HeldWords<(XW > 0 ? XW : 1)> held;
+        stage_hold<0>(src, norm_scale, held);
+        load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
+        x_scale = stage_held<BITS, 0>(src, norm_scale, eps, held, xs, smem);
+    } else {
+        x_scale = stage<BITS>(src, norm_scale, eps, xs, smem);
+    }
     const StagedX sx = staged_x<BITS>(xs, w.cols);
     while (row0 < w.rows) {
         RowSums<R> acc;
