@@ -531,7 +531,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
     // requested before the wait. A block placed only as the previous kernel's blocks leave (most
     // of in_proj's and qkv's) passes its wait at once, and an L2 read requested behind an SM's
     // weight requests returns only after their bytes (scripts/microbench/stream_chain.cu): x
-    // first, its staging overlaps the weights' arrival instead of following it (+1.4% on an H100).
+    // first, its staging overlaps the weights' arrival instead of following it (+1.35% on an H100).
     constexpr int XW = MATVEC_X_WORDS;
     const bool x_first = XW > 0 && stage_holds<0, (XW > 0 ? XW : 1)>(src);
     // The first rows of `add` are read before the wait (the caller guarantees the launch just
