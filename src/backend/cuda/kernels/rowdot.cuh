@@ -504,15 +504,16 @@ __device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], const StagedX&
     }
 }
 
+// Words of x per thread up to which matvec_impl requests x before its first rows (0: never).
+#ifndef MATVEC_X_WORDS
+#define MATVEC_X_WORDS 1
+#endif
+
 // y = W x (y = add + W x when `add` is non-null, which may be y itself; x RMS-normalised by
 // norm_scale when non-null) by `blocks` blocks of the grid, this one block number `block` of
 // them, persistent over the rows. Each warp computes R rows at a time, U 16-byte chunks of each
 // per lane per pass: R = 4, U = 2 for tall matrices; R = 1, U = 4 for short ones, which then
 // spread over more blocks.
-// Words of x per thread up to which matvec_impl requests x before its first rows (0: never).
-#ifndef MATVEC_X_WORDS
-#define MATVEC_X_WORDS 1
-#endif
 template <int BITS, int R, int U>
 __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_scale, float eps, float* y,
                             const float* add, float* smem, int block, int blocks) {
@@ -532,8 +533,8 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
     // of in_proj's and qkv's) passes its wait at once, and an L2 read requested behind an SM's
     // weight requests returns only after their bytes (scripts/microbench/stream_chain.cu): x
     // first, its staging overlaps the weights' arrival instead of following it (+1.35% on an H100).
-    constexpr int XW = MATVEC_X_WORDS;
-    const bool x_first = XW > 0 && stage_holds<0, (XW > 0 ? XW : 1)>(src);
+    constexpr int XW = MATVEC_X_WORDS > 0 ? MATVEC_X_WORDS : 1;
+    const bool x_first = MATVEC_X_WORDS > 0 && stage_holds<0, XW>(src);
     // The first rows of `add` are read before the wait (the caller guarantees the launch just
     // before did not write it).
     if (!x_first) load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
@@ -544,7 +545,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
     wait_for_previous_kernel();
     float x_scale;
     if (x_first) {
-        HeldWords<(XW > 0 ? XW : 1)> held;
+        HeldWords<XW> held;
         stage_hold<0>(src, norm_scale, held);
         load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
         x_scale = stage_held<BITS, 0>(src, norm_scale, eps, held, xs, smem);
