@@ -47,61 +47,12 @@
 // a GPU, `nvcc -c` checks that it compiles: pip-install nvidia-cuda-nvcc, nvidia-cuda-crt,
 // nvidia-cuda-cccl, nvidia-cuda-runtime and nvidia-nvvm, all 13.0.*, and pass
 // -I$C/include -I$C/include/cccl with C = site-packages/nvidia/cu13.
-#include <cuda_runtime.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-// lily's kernels, as NVRTC sees them (its prelude spells out uint64_t differently from glibc).
-#define uint64_t lily_uint64_t
-#include "../../src/backend/cuda/kernels/common.cuh"
-#include "../../src/backend/cuda/kernels/rowdot.cuh"
-#include "../../src/backend/cuda/kernels/matvec.cu"
-#undef uint64_t
-
-#include "chain_host.h"
+#include "lily_chain.cuh"
 
 constexpr int PRODUCTS = 40;
 #ifndef RES_THREADS
 #define RES_THREADS 256
 #endif
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_to_shared(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done)
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-}
-__device__ __forceinline__ float lds_scale(uint32_t address) {
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(address));
-    return scale_bits_f32(v);
-}
-
-// The first row of resident block b of `blocks` (rows dealt as evenly as they divide).
-__host__ __device__ inline int resident_rows(int rows, int blocks, int b) { return (int)((long long)rows * b / blocks); }
-
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 
 // Shared memory: the block's rows (weights, scales, biases), then x staged as lily stages it,
 // then 64 floats of scratch. stamps (non-null): per block, globaltimer at start, after the wait,
@@ -113,7 +64,7 @@ __global__ void __launch_bounds__(RES_THREADS) matvec_resident(Weight w, const f
     extern __shared__ __align__(16) float smem[];
     __shared__ __align__(8) unsigned long long bar_storage;
     const unsigned long long t0 = now_ns();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int r0 = resident_rows(w.rows, gridDim.x, blockIdx.x), r1 = resident_rows(w.rows, gridDim.x, blockIdx.x + 1);
     const int nrows = r1 - r0;
     const int row_bytes = w.cols / 2, groups = w.cols / 64;
@@ -158,16 +109,8 @@ __global__ void __launch_bounds__(RES_THREADS) matvec_resident(Weight w, const f
     if (!early) asm volatile("griddepcontrol.launch_dependents;" :::);
     const StageSource src = {x, 0, w.cols, 1, nullptr};
     const float inv = stage<4>(src, norm_scale, eps, xs, scratch);
-    const StagedX sx = staged_x<4>(xs, w.cols);
-    // This lane's chunks c = lane + 32 j of the staged x, kept in registers for every row.
-    uint4 xq[CPL][4];
-    float2 xst[CPL];
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-        const int c = lane + 32 * j;
-        load_x<4>(sx, c, xq[j]);
-        xst[j] = lds64(sx.csum + 8u * c);
-    }
+    HeldX<CPL> held;
+    hold_x(xs, w.cols, held);
     const unsigned long long t2 = now_ns();
     if (ldgsts) {
         asm volatile("cp.async.wait_all;" ::: "memory");
@@ -176,32 +119,7 @@ __global__ void __launch_bounds__(RES_THREADS) matvec_resident(Weight w, const f
         mbar_wait(bar, 0);
     }
     const unsigned long long t3 = now_ns();
-    for (int r = warp; r < nrows; r += 2 * warps) {
-        const int rr[2] = {r, r + warps};
-        float acc[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            if (rr[i] >= nrows) continue;
-#pragma unroll
-            for (int j = 0; j < CPL; ++j) {
-                const int c = lane + 32 * j;
-                const uint4 u = lds128(ws + rr[i] * row_bytes + c * 16);
-                const uint32_t g = (rr[i] * groups + (c >> 1)) * 2;
-                const float s = lds_scale(ss + g), b = lds_scale(bs + g);
-                int q = word_dot4(u.x, xq[j][0], 0);
-                q = word_dot4(u.y, xq[j][1], q);
-                q = word_dot4(u.z, xq[j][2], q);
-                q = word_dot4(u.w, xq[j][3], q);
-                acc[i] = fmaf(s * xst[j].x, static_cast<float>(q), acc[i]);
-                acc[i] = fmaf(b, xst[j].y, acc[i]);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const float v = warp_sum(acc[i]) * inv;
-            if (lane == 0 && rr[i] < nrows) y[r0 + rr[i]] = v;
-        }
-    }
+    dot_resident_rows(w.cols, nrows, ws, ss, bs, held, inv, y + r0, warp, warps);
     if (stamps != nullptr) {
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -225,13 +143,13 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_two_rows_marked(Weig
                                                                          const unsigned* step, unsigned mark) {
     extern __shared__ __align__(16) float smem[];
     mark_progress(progress, step, mark);
-    matvec_bits<2, 2>(w, x, norm_scale, eps, y, 0, smem);
+    matvec_bits<2, 2>(w, x, norm_scale, eps, y, nullptr, smem, blockIdx.x, gridDim.x);
 }
 extern "C" __global__ void __launch_bounds__(256, 3) matvec_marked(Weight w, const float* x, const float* norm_scale,
                                                                 float eps, float* y, unsigned* progress, const unsigned* step, unsigned mark) {
     extern __shared__ __align__(16) float smem[];
     mark_progress(progress, step, mark);
-    matvec_bits<1, 4>(w, x, norm_scale, eps, y, 0, smem);
+    matvec_bits<1, 4>(w, x, norm_scale, eps, y, nullptr, smem, blockIdx.x, gridDim.x);
 }
 
 // The first launch of a replay with marks: when the chain starts (t[0]), once `need` side blocks
@@ -408,27 +326,6 @@ __global__ void __launch_bounds__(1024) warm_l2(const Range* ranges, int product
     if (acc == 0x12345678u) *sink = acc;  // keeps the loads
 }
 
-__device__ __forceinline__ uint32_t mix(uint32_t v) {
-    v ^= v >> 16;
-    v *= 0x7feb352du;
-    v ^= v >> 15;
-    v *= 0x846ca68bu;
-    v ^= v >> 16;
-    return v;
-}
-
-__global__ void fill_weights(uint32_t* data, scale_t* scales, scale_t* biases, size_t words, size_t groups, int cols,
-                             uint32_t seed) {
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride) data[i] = mix((uint32_t)i * 2654435761u ^ seed);
-    const float s0 = 1.0f / (4.0f * sqrtf((float)cols));
-    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
-        const float s = s0 * (0.5f + (mix((uint32_t)i ^ seed ^ 0x5bd1e995u) & 1023) / 1024.0f);
-        scales[i] = __float2bfloat16(s);
-        biases[i] = __float2bfloat16(-7.5f * s);
-    }
-}
-
 int main(int argc, char** argv) {
     const char* spec = argc > 1 ? argv[1] : "12352x2048,2048x4096";
     std::vector<std::pair<int, int>> shapes;
@@ -436,45 +333,12 @@ int main(int argc, char** argv) {
     int sms, max_smem;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-    std::vector<Weight> layers(PRODUCTS);
-    size_t total_bytes = 0;
-    int max_rows = 0;
-    for (int i = 0; i < PRODUCTS; ++i) {
-        Weight& l = layers[i];
-        l.rows = shapes[i % shapes.size()].first;
-        l.cols = shapes[i % shapes.size()].second;
-        l.bits = 4;
-        l.group_shift = 6;
-        if ((l.cols != 2048 && l.cols != 4096) || (i > 0 && l.cols > std::max(layers[i - 1].rows, 4096))) {
-            printf("product %d: %dx%d does not chain\n", i, l.rows, l.cols);
-            return 1;
-        }
-        max_rows = std::max(max_rows, l.rows);
-        const size_t words = (size_t)l.rows * l.cols / 8, groups = (size_t)l.rows * l.cols / 64;
-        uint32_t* d;
-        scale_t *s, *b;
-        CHECK(cudaMalloc(&d, words * 4));
-        CHECK(cudaMalloc(&s, groups * 2));
-        CHECK(cudaMalloc(&b, groups * 2));
-        fill_weights<<<1024, 256>>>(d, s, b, words, groups, l.cols, 0x9E3779B9u * (i + 1));
-        l.data = d;
-        l.scales = s;
-        l.biases = b;
-        total_bytes += words * 4 + groups * 4;
-    }
-    const int x_len = std::max(max_rows, 8192);
-    std::vector<float> hx(x_len), ones(x_len, 1.0f);
-    for (int i = 0; i < x_len; ++i) hx[i] = std::sin(0.37f * i);
-    float *x0, *norm;
-    CHECK(cudaMalloc(&x0, x_len * 4));
-    CHECK(cudaMalloc(&norm, x_len * 4));
-    CHECK(cudaMemcpy(x0, hx.data(), x_len * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(norm, ones.data(), x_len * 4, cudaMemcpyHostToDevice));
-    std::vector<float*> ys(PRODUCTS);
-    for (int i = 0; i < PRODUCTS; ++i) {
-        CHECK(cudaMalloc(&ys[i], x_len * 4));
-        CHECK(cudaMemset(ys[i], 0, x_len * 4));
-    }
+    Chain chain;
+    if (!make_chain(shapes, PRODUCTS, chain)) return 1;
+    const std::vector<Weight>& layers = chain.layers;
+    const std::vector<float*>& ys = chain.ys;
+    float *x0 = chain.x0, *norm = chain.norm;
+    const size_t total_bytes = chain.total_bytes;
     int* smlog;
     CHECK(cudaMalloc(&smlog, PRODUCTS * 1024 * 4));
     unsigned long long* stamps;
@@ -603,7 +467,7 @@ int main(int argc, char** argv) {
             cfg.stream = stream;
             cfg.attrs = &attr;
             cfg.numAttrs = 1;
-            int acc = 0;
+            const float* no_add = nullptr;
             if (marked) {
                 const int r = l.cols <= 2048 ? 2 : 1;
                 cfg.gridDim = dim3(std::min((l.rows + 8 * r - 1) / (8 * r), 3 * chain_sms));
@@ -624,9 +488,9 @@ int main(int argc, char** argv) {
                 cfg.blockDim = dim3(256);
                 cfg.dynamicSmemBytes = (64 + staged_floats(l.cols)) * 4;
                 if (r == 2)
-                    CHECK(cudaLaunchKernelEx(&cfg, matvec_two_rows, l, x, (const float*)norm, eps, ys[i], acc));
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec_two_rows, l, x, (const float*)norm, eps, ys[i], no_add));
                 else
-                    CHECK(cudaLaunchKernelEx(&cfg, matvec, l, x, (const float*)norm, eps, ys[i], acc));
+                    CHECK(cudaLaunchKernelEx(&cfg, matvec, l, x, (const float*)norm, eps, ys[i], no_add));
             } else {
                 const int blocks = mode == 3 ? 2 * sms : sms;
                 int most = 0;
@@ -730,14 +594,6 @@ int main(int argc, char** argv) {
         CHECK(cudaGraphExecDestroy(exec));
         CHECK(cudaGraphDestroy(graph));
     }
-    for (int mode = 1; mode < modes; ++mode) {
-        if (outs[mode].empty() || outs[0].empty()) continue;
-        double num = 0, den = 0;
-        for (size_t i = 0; i < outs[0].size(); ++i) {
-            num = std::max(num, (double)std::fabs(outs[0][i] - outs[mode][i]));
-            den = std::max(den, (double)std::fabs(outs[0][i]));
-        }
-        printf("%s: max |difference from lily| = %.3e of max %.3e\n", names[mode], num, den);
-    }
+    print_differences(names, outs, "lily");
     return 0;
 }

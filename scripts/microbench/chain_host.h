@@ -1,9 +1,10 @@
 // Host-side helpers of the chain microbenchmarks (not part of lily): error checks, the shape
-// list argument, timing a graph's replays. Apart from chain_common.cuh so that cascade_chain.cu,
-// which includes lily's own device helpers instead, can use them too.
+// list argument, timing a graph's replays, comparing the modes' outputs. Apart from chain_common.cuh
+// so that the microbenchmarks on lily's own kernels (lily_chain.cuh) can use them too.
 #pragma once
 #include <cuda_runtime.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <utility>
@@ -62,4 +63,19 @@ float median_us(int reps, cudaStream_t s, cudaEvent_t e0, cudaEvent_t e1, Prepar
     }
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
+}
+
+// For every mode after the first whose outputs were kept: the largest difference from mode 0's
+// outputs (`reference` names it), against mode 0's largest magnitude.
+inline void print_differences(const char* const* names, const std::vector<std::vector<float>>& outs,
+                              const char* reference) {
+    for (size_t mode = 1; mode < outs.size(); ++mode) {
+        if (outs[mode].empty() || outs[0].empty()) continue;
+        double num = 0, den = 0;
+        for (size_t i = 0; i < outs[0].size(); ++i) {
+            num = std::max(num, (double)std::fabs(outs[0][i] - outs[mode][i]));
+            den = std::max(den, (double)std::fabs(outs[0][i]));
+        }
+        printf("%s: max |difference from %s| = %.3e of max %.3e\n", names[mode], reference, num, den);
+    }
 }

@@ -215,13 +215,6 @@ int main(int argc, char** argv) {
         CHECK(cudaGraphExecDestroy(exec));
         CHECK(cudaGraphDestroy(graph));
     }
-    for (int mode = 1; mode < modes; ++mode) {
-        double num = 0, den = 0;
-        for (size_t i = 0; i < outs[0].size(); ++i) {
-            num = std::max(num, (double)std::fabs(outs[0][i] - outs[mode][i]));
-            den = std::max(den, (double)std::fabs(outs[0][i]));
-        }
-        printf("%s: max |difference from wait| = %.3e of max %.3e\n", names[mode], num, den);
-    }
+    print_differences(names, outs, "wait");
     return 0;
 }

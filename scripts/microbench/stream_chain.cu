@@ -29,21 +29,7 @@
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o stream_chain scripts/microbench/stream_chain.cu
 //   ./stream_chain 12352x2048,2048x2048,2048x4096,1024x2048,8192x2048,2048x4096 0x30
 // Without a GPU, `nvcc -c` checks that it compiles (see cascade_chain.cu for the packages).
-#include <cuda_runtime.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-// lily's kernels, as NVRTC sees them (its prelude spells out uint64_t differently from glibc).
-#define uint64_t lily_uint64_t
-#include "../../src/backend/cuda/kernels/common.cuh"
-#include "../../src/backend/cuda/kernels/rowdot.cuh"
-#include "../../src/backend/cuda/kernels/matvec.cu"
-#undef uint64_t
-
-#include "chain_host.h"
+#include "lily_chain.cuh"
 
 constexpr int PRODUCTS = 40;
 constexpr int DEPTH = 16;          // products whose slices may be in flight at once (mbarriers)
@@ -58,44 +44,11 @@ struct Product {
     int dep;         // the last product whose end this one's slice must wait for (-1: none)
 };
 
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_to_shared(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done)
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-}
-__device__ __forceinline__ float lds_scale(uint32_t address) {
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(address));
-    return scale_bits_f32(v);
-}
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-
-// The first row of block b of `blocks` (rows dealt as evenly as they divide).
-__host__ __device__ inline int slice_row(int rows, int blocks, int b) { return (int)((long long)rows * b / blocks); }
 
 __host__ __device__ inline uint32_t round16(uint32_t v) { return (v + 15u) & ~15u; }
 
@@ -154,7 +107,7 @@ __device__ void produce(const Product* prods, Ring& ring, uint32_t ring_base, ui
     for (int j = 0; j < PRODUCTS; ++j) {
         const Product& p = prods[j];
         const Weight& w = p.w;
-        const int r0 = slice_row(w.rows, gridDim.x, blockIdx.x), r1 = slice_row(w.rows, gridDim.x, blockIdx.x + 1);
+        const int r0 = resident_rows(w.rows, gridDim.x, blockIdx.x), r1 = resident_rows(w.rows, gridDim.x, blockIdx.x + 1);
         const uint32_t bytes = slice_bytes(w, r1 - r0);
         unsigned long long at = head;
         if (at % ring_bytes + bytes > ring_bytes) at += ring_bytes - at % ring_bytes;  // no wrap inside a slice
@@ -204,50 +157,6 @@ __device__ float stage_consumers(const float* x, int cols, const float* norm_sca
     return rsqrtf(total / cols + eps);
 }
 
-// This block's rows of a product from its slice at shared address ws (CPL chunks per lane), by
-// the consumer warps.
-template <int CPL>
-__device__ void dot_slice(const Weight& w, int r0, int nrows, uint32_t ws, const float* xs, float inv, float* y) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = CONSUMERS / 32;
-    const int row_bytes = w.cols / 2, groups = w.cols / 64;
-    const uint32_t ss = ws + nrows * row_bytes, bs = ss + round16(nrows * groups * 2);
-    const StagedX sx = staged_x<4>(xs, w.cols);
-    uint4 xq[CPL][4];
-    float2 xst[CPL];
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) {
-        const int c = lane + 32 * j;
-        load_x<4>(sx, c, xq[j]);
-        xst[j] = lds64(sx.csum + 8u * c);
-    }
-    for (int r = warp; r < nrows; r += 2 * warps) {
-        const int rr[2] = {r, r + warps};
-        float acc[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            if (rr[i] >= nrows) continue;
-#pragma unroll
-            for (int j = 0; j < CPL; ++j) {
-                const int c = lane + 32 * j;
-                const uint4 u = lds128(ws + rr[i] * row_bytes + c * 16);
-                const uint32_t g = (rr[i] * groups + (c >> 1)) * 2;
-                const float s = lds_scale(ss + g), b = lds_scale(bs + g);
-                int q = word_dot4(u.x, xq[j][0], 0);
-                q = word_dot4(u.y, xq[j][1], q);
-                q = word_dot4(u.z, xq[j][2], q);
-                q = word_dot4(u.w, xq[j][3], q);
-                acc[i] = fmaf(s * xst[j].x, static_cast<float>(q), acc[i]);
-                acc[i] = fmaf(b, xst[j].y, acc[i]);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const float v = warp_sum(acc[i]) * inv;
-            if (lane == 0 && rr[i] < nrows) y[r0 + rr[i]] = v;
-        }
-    }
-}
-
 // The whole chain in one launch (one block per SM): CONSUMERS threads that wait for each
 // product's input, stage it and dot the block's slice, and a producer warp that keeps the coming
 // slices on their way (produce). Flags only grow; this replay's epoch is *step + 1. Shared
@@ -282,14 +191,21 @@ __global__ void __launch_bounds__(THREADS, 1) chain_stream(const Product* prods,
         const unsigned long long t1 = now_ns();
         const float inv = stage_consumers(p.x, p.w.cols, norm_scale, eps, xs, scratch);
         const unsigned long long t2 = now_ns();
-        const int r0 = slice_row(p.w.rows, gridDim.x, blockIdx.x), r1 = slice_row(p.w.rows, gridDim.x, blockIdx.x + 1);
+        const int r0 = resident_rows(p.w.rows, gridDim.x, blockIdx.x), r1 = resident_rows(p.w.rows, gridDim.x, blockIdx.x + 1);
         mbar_wait(shared_address(&ring.bars[i % DEPTH]), (i / DEPTH) & 1);
         const unsigned long long t3 = now_ns();
         const uint32_t ws = ring_base + (uint32_t)(*(volatile unsigned long long*)&ring.start[i % DEPTH] % ring_bytes);
-        if (p.w.cols == 2048)
-            dot_slice<2>(p.w, r0, r1 - r0, ws, xs, inv, p.y);
-        else
-            dot_slice<4>(p.w, r0, r1 - r0, ws, xs, inv, p.y);
+        const int nrows = r1 - r0, cols = p.w.cols, warp = threadIdx.x >> 5;
+        const uint32_t ss = ws + nrows * (cols / 2), bs = ss + round16(nrows * (cols / 64) * 2);
+        if (cols == 2048) {
+            HeldX<2> held;
+            hold_x(xs, cols, held);
+            dot_resident_rows(cols, nrows, ws, ss, bs, held, inv, p.y + r0, warp, CONSUMERS / 32);
+        } else {
+            HeldX<4> held;
+            hold_x(xs, cols, held);
+            dot_resident_rows(cols, nrows, ws, ss, bs, held, inv, p.y + r0, warp, CONSUMERS / 32);
+        }
         consumers_sync();
         if (threadIdx.x == 0) {
             signal_product(fl, i);
@@ -310,27 +226,6 @@ __global__ void bump_step(unsigned* step) {
     *step += 1;
 }
 
-__device__ __forceinline__ uint32_t mix(uint32_t v) {
-    v ^= v >> 16;
-    v *= 0x7feb352du;
-    v ^= v >> 15;
-    v *= 0x846ca68bu;
-    v ^= v >> 16;
-    return v;
-}
-
-__global__ void fill_weights(uint32_t* data, scale_t* scales, scale_t* biases, size_t words, size_t groups, int cols,
-                             uint32_t seed) {
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride) data[i] = mix((uint32_t)i * 2654435761u ^ seed);
-    const float s0 = 1.0f / (4.0f * sqrtf((float)cols));
-    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
-        const float s = s0 * (0.5f + (mix((uint32_t)i ^ seed ^ 0x5bd1e995u) & 1023) / 1024.0f);
-        scales[i] = __float2bfloat16(s);
-        biases[i] = __float2bfloat16(-7.5f * s);
-    }
-}
-
 int main(int argc, char** argv) {
     const char* spec = argc > 1 ? argv[1] : "12352x2048,2048x2048,2048x4096,1024x2048,8192x2048,2048x4096";
     const unsigned routed_shapes = argc > 2 ? (unsigned)strtoul(argv[2], nullptr, 0) : 0x30u;
@@ -339,50 +234,20 @@ int main(int argc, char** argv) {
     int sms, max_smem;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-    std::vector<Weight> layers(PRODUCTS);
-    size_t total_bytes = 0;
-    int max_rows = 0;
+    Chain chain;
+    if (!make_chain(shapes, PRODUCTS, chain)) return 1;
+    const std::vector<Weight>& layers = chain.layers;
+    const std::vector<float*>& ys = chain.ys;
+    float *x0 = chain.x0, *norm = chain.norm;
+    const size_t total_bytes = chain.total_bytes;
     const int ring_bytes = (max_smem - (int)sizeof(Ring) - (staged_floats(4096) + 64) * 4 - 256) & ~1023;
     for (int i = 0; i < PRODUCTS; ++i) {
-        Weight& l = layers[i];
-        l.rows = shapes[i % shapes.size()].first;
-        l.cols = shapes[i % shapes.size()].second;
-        l.bits = 4;
-        l.group_shift = 6;
-        if ((l.cols != 2048 && l.cols != 4096) || (i > 0 && l.cols > std::max(layers[i - 1].rows, 4096))) {
-            printf("product %d: %dx%d does not chain\n", i, l.rows, l.cols);
-            return 1;
-        }
-        const int most = slice_row(l.rows, sms, sms) - slice_row(l.rows, sms, sms - 1) + 1;
+        const Weight& l = layers[i];
+        const int most = resident_rows(l.rows, sms, sms) - resident_rows(l.rows, sms, sms - 1) + 1;
         if ((int)slice_bytes(l, most) > ring_bytes) {
             printf("product %d: a block's slice of %dx%d does not fit the %d-byte ring\n", i, l.rows, l.cols, ring_bytes);
             return 1;
         }
-        max_rows = std::max(max_rows, l.rows);
-        const size_t words = (size_t)l.rows * l.cols / 8, groups = (size_t)l.rows * l.cols / 64;
-        uint32_t* d;
-        scale_t *s, *b;
-        CHECK(cudaMalloc(&d, words * 4));
-        CHECK(cudaMalloc(&s, groups * 2));
-        CHECK(cudaMalloc(&b, groups * 2));
-        fill_weights<<<1024, 256>>>(d, s, b, words, groups, l.cols, 0x9E3779B9u * (i + 1));
-        l.data = d;
-        l.scales = s;
-        l.biases = b;
-        total_bytes += words * 4 + groups * 4;
-    }
-    const int x_len = std::max(max_rows, 8192);
-    std::vector<float> hx(x_len), ones(x_len, 1.0f);
-    for (int i = 0; i < x_len; ++i) hx[i] = std::sin(0.37f * i);
-    float *x0, *norm;
-    CHECK(cudaMalloc(&x0, x_len * 4));
-    CHECK(cudaMalloc(&norm, x_len * 4));
-    CHECK(cudaMemcpy(x0, hx.data(), x_len * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(norm, ones.data(), x_len * 4, cudaMemcpyHostToDevice));
-    std::vector<float*> ys(PRODUCTS);
-    for (int i = 0; i < PRODUCTS; ++i) {
-        CHECK(cudaMalloc(&ys[i], x_len * 4));
-        CHECK(cudaMemset(ys[i], 0, x_len * 4));
     }
     unsigned *flags, *step;
     const size_t flag_bytes = (size_t)PRODUCTS * sms * FLAG_STRIDE * 4;
@@ -504,13 +369,6 @@ int main(int argc, char** argv) {
         CHECK(cudaGraphExecDestroy(exec));
         CHECK(cudaGraphDestroy(graph));
     }
-    for (int mode = 1; mode < modes; ++mode) {
-        double num = 0, den = 0;
-        for (size_t i = 0; i < outs[0].size(); ++i) {
-            num = std::max(num, (double)std::fabs(outs[0][i] - outs[mode][i]));
-            den = std::max(den, (double)std::fabs(outs[0][i]));
-        }
-        printf("%s: max |difference from lily| = %.3e of max %.3e\n", names[mode], num, den);
-    }
+    print_differences(names, outs, "lily");
     return 0;
 }
