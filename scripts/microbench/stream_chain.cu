@@ -19,7 +19,9 @@
 //               the routing;
 //   unstreamed  the same, every slice requested only once the previous product has ended
 //               (what streaming ahead buys).
-// (The first version, commit d018648, issued the copies from consumer thread 0 as room freed.)
+// (The first version, commit d018648, issued the copies from consumer thread 0 as room freed.
+// docs/BENCHMARKS.md's numbers are from 66c6b31, before the shared helpers moved into
+// lily_chain.cuh with the same arithmetic.)
 // The stream modes also print where a product's time goes (globaltimer stamps per block, means
 // over the products of each shape of the median block, from the previous product's last block to
 // finish): slice issued, dependency seen, x staged, slice arrived, rows done. Products given as
