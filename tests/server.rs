@@ -1355,7 +1355,9 @@ async fn queued_streams_open_at_once() {
         app.engine.metrics().running.load(Ordering::Relaxed) == 1
     })
     .await;
-    let queued = json!({"input": "hi", "stream": true, "max_output_tokens": 4});
+    // Greedy: a sampled reply may end early with an end-of-sequence id, and the check below
+    // needs it to run into its token limit.
+    let queued = json!({"input": "hi", "stream": true, "max_output_tokens": 4, "temperature": 0});
     let (body, first) = open_stream(&server, "/v1/responses", &queued).await;
     assert!(
         first.contains("event: response.created\n")
