@@ -692,7 +692,7 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     // Folded, with one word of h per staging thread: h is loaded with the logits but staged only
     // once the routed rows are requested, so that the staging is off the way to those requests.
     const bool holds = folded && stage_holds<STAGERS>(src);
-    HeldWord held;
+    HeldWords<> held;
     if (folded) {
         shared = shared_slice(d);
         shared_slice_copy<BITS>(d, sg, su, shared, slice);

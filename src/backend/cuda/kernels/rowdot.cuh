@@ -236,7 +236,6 @@ struct HeldWords {
     float e[W][8];
     float ss;
 };
-using HeldWord = HeldWords<1>;
 
 template <int THREADS, int W = 1>
 __device__ __forceinline__ bool stage_holds(const StageSource& src) {
