@@ -592,6 +592,15 @@ impl CudaBackend {
             }
             Err(_) => None,
         };
+        let num_sms = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
+        let experiments = kernels::experiment_defines();
+        // The mat-vecs' first blocks, one per SM, keep the weights-first order (rowdot.cuh).
+        let warm_blocks = (!experiments
+            .iter()
+            .any(|d| d.starts_with("MATVEC_WARM_BLOCKS=")))
+        .then(|| format!("MATVEC_WARM_BLOCKS={num_sms}"));
         let defines: Vec<String> = block_trace
             .iter()
             .flat_map(|b| {
@@ -604,7 +613,8 @@ impl CudaBackend {
                 ]
             })
             .chain(scales.define().map(String::from))
-            .chain(kernels::experiment_defines())
+            .chain(warm_blocks)
+            .chain(experiments)
             .collect();
         let block_trace = block_trace.map(Mutex::new);
         let shape = shape_defines(config, experts);
