@@ -507,11 +507,16 @@ __device__ __forceinline__ void dot_rows(const RowRef (&rows)[R], const StagedX&
 #ifndef MATVEC_X_WORDS
 #define MATVEC_X_WORDS 1
 #endif
-// Blocks numbered below this keep the weights-first order where x could be read first: the
-// backend sets it to the GPU's SM count (0 here, for `kernels --check`, which has no GPU).
+// The grid's first blocks, in the order they are placed (x fastest, then y, then z), up to this
+// number keep the weights-first order where x could be read first: the backend sets it to the
+// GPU's SM count (0 here, for `kernels --check`, which has no GPU).
 #ifndef MATVEC_WARM_BLOCKS
 #define MATVEC_WARM_BLOCKS 0
 #endif
+__device__ __forceinline__ bool placed_beside_previous_kernel() {
+    const unsigned placed = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    return placed < MATVEC_WARM_BLOCKS;
+}
 
 // y = W x (y = add + W x when `add` is non-null, which may be y itself; x RMS-normalised by
 // norm_scale when non-null) by `blocks` blocks of the grid, this one block number `block` of
@@ -541,7 +546,7 @@ __device__ void matvec_impl(const Weight& w, const float* x, const float* norm_s
     // beside the previous kernel's blocks, whose wait does not pass at once: they keep the
     // weights-first order, and have their first rows on the way while they wait (+1.2% on an H100).
     constexpr int XW = MATVEC_X_WORDS > 0 ? MATVEC_X_WORDS : 1;
-    const bool x_first = MATVEC_X_WORDS > 0 && block >= MATVEC_WARM_BLOCKS && stage_holds<0, XW>(src);
+    const bool x_first = MATVEC_X_WORDS > 0 && !placed_beside_previous_kernel() && stage_holds<0, XW>(src);
     // The first rows of `add` are read before the wait (the caller guarantees the launch just
     // before did not write it).
     if (!x_first) load_pass<BITS, R, U>(rows, 0, chunks, w.group_shift, lane, pass);
