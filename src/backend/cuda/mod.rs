@@ -269,6 +269,8 @@ struct Kernels {
     block_trace: Option<Mutex<CudaSlice<u64>>>,
     /// The expert matrices' format the `moe` module was compiled for, if any.
     expert_format: Option<WeightFormat>,
+    /// The GPU's SM count, which the mat-vecs were compiled for (`MATVEC_WARM_BLOCKS`).
+    num_sms: u32,
     matvec: CudaFunction,
     matvec_two_rows: CudaFunction,
     matvec_tokens: CudaFunction,
@@ -638,6 +640,7 @@ impl CudaBackend {
         let k = Kernels {
             block_trace,
             expert_format: experts,
+            num_sms,
             matvec: get("matvec")?,
             matvec_two_rows: get("matvec_two_rows")?,
             matvec_tokens: get("matvec_tokens")?,
@@ -857,9 +860,7 @@ impl CudaBackend {
         for _ in 0..sequences {
             slots.push(Self::new_slot(&stream, c, opts.max_context)?);
         }
-        let num_sms = ctx.attribute(
-            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        )? as u32;
+        let num_sms = k.num_sms;
         let smem_per_sm = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
         )? as u32;
