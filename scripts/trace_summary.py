@@ -14,6 +14,11 @@ blocks' exits. Then the same per launch name, averaged, with the step's total.
 with nothing to do exit before it) and the median over those SMs of how long each held the
 launch's blocks (its first block's start to its last block's exit): a launch's bytes over its
 working SMs and that span is what one SM took in while the launch ran.
+
+`--blocks=NAME:GROUP` adds, for the launches named NAME, their blocks in groups of GROUP
+consecutive block numbers (in placement order: x, then y, then z), each group's mean start,
+wait and exit and its latest exit, over those launches: which blocks of a launch end last (e.g.
+`out_proj_route:129` parts its folded-router blocks, placed first, from its projection's).
 """
 import csv
 import statistics
@@ -22,14 +27,16 @@ from collections import OrderedDict, defaultdict
 
 
 def read(lines):
-    """The launches of a trace (CSV lines), in step order: name and (start, waited, end, sm) per
-    block, waited None for a block that exited without waiting."""
+    """The launches of a trace (CSV lines), in step order: name and (start, waited, end, sm, block)
+    per block, waited None for a block that exited without waiting."""
     launches = OrderedDict()
     for row in csv.DictReader(lines):
         key = int(row["launch"])
         entry = launches.setdefault(key, {"name": row["name"], "blocks": []})
         waited = int(row["waited_ns"]) if row["waited_ns"] else None
-        entry["blocks"].append((int(row["start_ns"]), waited, int(row["end_ns"]), int(row["sm"])))
+        entry["blocks"].append(
+            (int(row["start_ns"]), waited, int(row["end_ns"]), int(row["sm"]), int(row["block"]))
+        )
     return OrderedDict(sorted(launches.items()))
 
 
@@ -39,7 +46,7 @@ def sm_spans(launches):
     per_name = OrderedDict()
     for entry in launches.values():
         spans = {}
-        for start, waited, end, sm in entry["blocks"]:
+        for start, waited, end, sm, _ in entry["blocks"]:
             if waited is None:
                 continue
             first, last = spans.get(sm, (start, end))
@@ -50,6 +57,28 @@ def sm_spans(launches):
     return OrderedDict(
         (name, (statistics.mean(n for n, _ in v), statistics.mean(m for _, m in v)))
         for name, v in per_name.items()
+    )
+
+
+def block_groups(launches, name, group):
+    """For the launches named `name`: per group of `group` consecutive block numbers (first block
+    number -> (mean start, mean wait, mean exit, latest exit)), ns from the end of the launch
+    before each (the previous launch's last exit); the wait's mean over the blocks that waited
+    (None where none did)."""
+    groups = defaultdict(lambda: ([], [], []))
+    prev_end = None
+    for entry in launches.values():
+        if entry["name"] == name and prev_end is not None:
+            for start, waited, end, _, block in entry["blocks"]:
+                starts, waits, ends = groups[block // group * group]
+                starts.append(start - prev_end)
+                ends.append(end - prev_end)
+                if waited is not None:
+                    waits.append(waited - prev_end)
+        prev_end = max(b[2] for b in entry["blocks"])
+    return OrderedDict(
+        (first, (statistics.mean(s), statistics.mean(w) if w else None, statistics.mean(e), max(e)))
+        for first, (s, w, e) in sorted(groups.items())
     )
 
 
@@ -130,6 +159,15 @@ def main():
         print("\nper launch name: SMs that worked (a block past its wait), median us one held the launch")
         for name, (sms, span) in sm_spans(launches).items():
             print(f"{name:<20} {sms:>6.1f} {span / 1e3:>9.2f}")
+    for arg in sys.argv[2:]:
+        if not arg.startswith("--blocks="):
+            continue
+        name, _, group = arg[len("--blocks="):].partition(":")
+        print(f"\n{name}: blocks in groups of {group}, mean us from the previous launch's last exit")
+        print("{:>7} {:>9} {:>9} {:>9} {:>9}".format("blocks", "start", "wait", "exit", "last exit"))
+        for first, (start, wait, end, last) in block_groups(launches, name, int(group)).items():
+            shown = "-" if wait is None else f"{wait / 1e3:.2f}"
+            print(f"{first:>7} {start / 1e3:>9.2f} {shown:>9} {end / 1e3:>9.2f} {last / 1e3:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def test_read_keeps_launch_order_and_blocks_without_a_wait():
     launches = trace_summary.read(csv_lines())
     assert list(launches) == [0, 1, 2]
     assert [e["name"] for e in launches.values()] == ["matvec", "split", "matvec"]
-    assert launches[0]["blocks"][3] == (100, None, 300, 7)
+    assert launches[0]["blocks"][3] == (100, None, 300, 7, 3)
 
 
 def test_sm_spans_count_only_working_sms_and_span_their_blocks():
@@ -52,6 +52,25 @@ def test_sm_spans_count_only_working_sms_and_span_their_blocks():
     assert spans["matvec"] == (pytest.approx(1.5), pytest.approx(4_000))
     # split: spans 4,000 and 4,500.
     assert spans["split"] == (pytest.approx(2), pytest.approx(4_250))
+
+
+def test_block_groups_time_blocks_from_the_previous_launch_end():
+    launches = trace_summary.read(csv_lines())
+    # matvec launch 0 has no launch before it and is left out; launch 2 follows split's last exit
+    # (10,000): its one block starts at -1,000, waits at 500 and exits at 3,000.
+    assert trace_summary.block_groups(launches, "matvec", 2) == {0: (-1_000, 500, 3_000, 3_000)}
+    # split follows matvec's last exit (6,000); in groups of one block, then of two.
+    assert trace_summary.block_groups(launches, "split", 1) == {
+        0: (-1_000, 500, 3_000, 3_000),
+        1: (-500, 600, 4_000, 4_000),
+    }
+    assert trace_summary.block_groups(launches, "split", 2) == {0: (-750, 550, 3_500, 4_000)}
+
+
+def test_block_groups_leave_the_wait_out_where_no_block_waited():
+    lines = csv_lines() + ["3,tail,0,3,13000,,13100", "3,tail,1,5,13050,,13200"]
+    groups = trace_summary.block_groups(trace_summary.read(lines), "tail", 2)
+    assert groups == {0: (25, None, 150, 200)}
 
 
 def test_script_prints_the_sm_table(tmp_path):
@@ -67,3 +86,17 @@ def test_script_prints_the_sm_table(tmp_path):
     table = out.split("median us one held the launch\n", 1)[1].splitlines()
     assert table[0].split() == ["matvec", "1.5", "4.00"]
     assert table[1].split() == ["split", "2.0", "4.25"]
+
+
+def test_script_prints_block_groups(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("\n".join(csv_lines()) + "\n")
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), str(trace), "--blocks=split:1"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    table = out.split("split: blocks in groups of 1", 1)[1].splitlines()
+    assert table[2].split() == ["0", "-1.00", "0.50", "3.00", "3.00"]
+    assert table[3].split() == ["1", "-0.50", "0.60", "4.00", "4.00"]
