@@ -487,6 +487,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_DIMS * COMBINE_PARTS) atten
     AttentionDims d, const float* proj, const int* position, const float* part_max, const float* part_sum,
     const float* part_out, float* out, const unsigned long long* position_of, const int* batch_context) {
     TRACE_BLOCK();
+    // The next launch (the mixer's output projection) reads before its wait only weights and
+    // the residual stream, which the previous layer's MoE wrote before attention_prepare ran, so
+    // its blocks may be placed, and request their rows, while attention_split runs. Started after
+    // this launch's wait instead, they were placed ~1.4 us before it ended, and their own wait
+    // was released ~1.3 us later than other launches' (block traces), behind those requests.
+    let_next_kernel_start();
     __shared__ float scratch[32];
     __shared__ float split_weight[COMBINE_MAX_SPLITS];
     __shared__ float partial[COMBINE_PARTS][COMBINE_DIMS];
