@@ -34,15 +34,16 @@ status=0
 # Each step under a time limit: a hung kernel fails its step instead of holding the GPU machine.
 limit="${LILY_STEP_TIMEOUT:-600}"
 step() {
-    local name="$1"
+    local name="$1" started=$SECONDS
     shift
     echo "== $name: $*"
     if timeout "$limit" "$@" >"$log/$name.log" 2>&1; then
-        echo "ok     $name"
+        # With its seconds, so that a device call's time can be planned around the steps.
+        echo "ok     $name ($((SECONDS - started)) s)"
         # Printed as each step ends, so that a run cut short still shows what it measured.
         grep -h "relative error" "$log/$name.log" || true
     else
-        echo "FAILED $name (see $log/$name.log)"
+        echo "FAILED $name after $((SECONDS - started)) s (see $log/$name.log)"
         tail -n 30 "$log/$name.log"
         status=1
     fi
