@@ -163,6 +163,8 @@ def main():
         if not arg.startswith("--blocks="):
             continue
         name, _, group = arg[len("--blocks="):].partition(":")
+        if not name or not group.isdigit() or int(group) == 0:
+            sys.exit(f"trace_summary.py: --blocks takes NAME:GROUP (GROUP blocks, at least 1), got '{arg}'")
         print(f"\n{name}: blocks in groups of {group}, mean us from the previous launch's last exit")
         print("{:>7} {:>9} {:>9} {:>9} {:>9}".format("blocks", "start", "wait", "exit", "last exit"))
         for first, (start, wait, end, last) in block_groups(launches, name, int(group)).items():

@@ -100,3 +100,13 @@ def test_script_prints_block_groups(tmp_path):
     table = out.split("split: blocks in groups of 1", 1)[1].splitlines()
     assert table[2].split() == ["0", "-1.00", "0.50", "3.00", "3.00"]
     assert table[3].split() == ["1", "-0.50", "0.60", "4.00", "4.00"]
+
+
+@pytest.mark.parametrize("arg", ["--blocks=split", "--blocks=split:0", "--blocks=split:x", "--blocks=:4"])
+def test_script_names_a_malformed_blocks_argument(tmp_path, arg):
+    trace = tmp_path / "t.csv"
+    trace.write_text("\n".join(csv_lines()) + "\n")
+    done = subprocess.run([sys.executable, str(SCRIPT), str(trace), arg], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert f"--blocks takes NAME:GROUP (GROUP blocks, at least 1), got '{arg}'" in done.stderr
+    assert "Traceback" not in done.stderr
