@@ -635,7 +635,7 @@ impl CudaBackend {
         let out_blocks = w
             .rows
             .div_ceil(warps)
-            .min(self.num_sms as usize * MATVEC_BLOCKS_PER_SM);
+            .min(self.k.num_sms as usize * MATVEC_BLOCKS_PER_SM);
         let blocks = (fold_blocks + out_blocks) as u32;
         let smem = staged_bytes(&[w.cols]);
         let fold_blocks = fold_blocks as i32;

@@ -269,7 +269,7 @@ impl CudaBackend {
         let s = &self.stream;
         let out = s.alloc_zeros::<f32>(128)?;
         let out_ptr = ptr(&out, s);
-        let blocks = self.num_sms * 4;
+        let blocks = self.k.num_sms * 4;
         let run = |iters: i32| -> Result<f64> {
             let start = std::time::Instant::now();
             // SAFETY: wgmma_peak writes at most 128 floats of out.

@@ -73,7 +73,7 @@ impl CudaBackend {
             let blocks = w
                 .rows
                 .div_ceil(warps * rows_per_warp)
-                .min(self.num_sms as usize * per_sm);
+                .min(self.k.num_sms as usize * per_sm);
             let (tokens32, per_block32) = (tokens as i32, per_block as i32);
             // SAFETY: x and y hold `tokens` rows of w.cols and w.rows floats; each block stages
             // per_block of them in `smem` bytes (matvec_tokens_per_block keeps that in bounds).
@@ -109,7 +109,7 @@ impl CudaBackend {
             };
             return self.matvec_mma(role, w, rows, y, add, tokens, staging);
         }
-        let resident = self.num_sms as usize * MATVEC_BLOCKS_PER_SM;
+        let resident = self.k.num_sms as usize * MATVEC_BLOCKS_PER_SM;
         let blocks = w.rows.div_ceil(warps * rows_per_warp).min(resident);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, tokens as u32, 1),
@@ -181,7 +181,7 @@ impl CudaBackend {
             .occupancy_max_active_blocks_per_multiprocessor(MATVEC_THREADS, smem as usize, None)?
             .max(1) as usize;
         let block_rows = tokens.div_ceil(MMA_TOKENS * block_tiles);
-        let resident = (self.num_sms as usize * per_sm).div_ceil(block_rows);
+        let resident = (self.k.num_sms as usize * per_sm).div_ceil(block_rows);
         let (tiles, ksplit) = mma_split(w.rows, w.cols, w.bits, resident * warps);
         let blocks = tiles.div_ceil(warps / ksplit).min(resident);
         let (acc, tokens32, ksplit32) = (add.unwrap_or(0), tokens as i32, ksplit as i32);
@@ -224,7 +224,7 @@ impl CudaBackend {
     fn matvec_tokens_per_block(&self, w: &DeviceWeight, tokens: usize) -> Option<usize> {
         let most = if mma_takes(w.bits, w.group, w.cols) {
             let warps = MATVEC_THREADS as usize / 32;
-            let pass = self.num_sms as usize
+            let pass = self.k.num_sms as usize
                 * MATVEC_BLOCKS_PER_SM
                 * warps
                 * matvec_rows_per_warp(w.cols, w.bits);

@@ -429,7 +429,6 @@ pub struct CudaBackend {
     free: Arc<Mutex<Vec<usize>>>,
     max_context: usize,
     use_graphs: bool,
-    num_sms: u32,
     /// Most context splits of a decode step's attention: as many blocks as fit on the GPU at
     /// once (see `decode_attention_splits`).
     attention_splits: usize,
@@ -860,7 +859,6 @@ impl CudaBackend {
         for _ in 0..sequences {
             slots.push(Self::new_slot(&stream, c, opts.max_context)?);
         }
-        let num_sms = k.num_sms;
         let smem_per_sm = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
         )? as u32;
@@ -873,7 +871,8 @@ impl CudaBackend {
                 None,
             )
             .context("occupancy of attention_split")?;
-        let attention_splits = decode_attention_splits(c, num_sms as usize, split_blocks as usize);
+        let attention_splits =
+            decode_attention_splits(c, k.num_sms as usize, split_blocks as usize);
         // Each block also reserves 1 KB, and the kernels' static arrays take a few hundred bytes.
         let moe_tokens_smem = (smem_per_sm as usize / 2)
             .saturating_sub(2048)
@@ -910,7 +909,6 @@ impl CudaBackend {
             free: Arc::new(Mutex::new((0..total_slots).rev().collect())),
             max_context: opts.max_context,
             use_graphs: opts.use_graphs,
-            num_sms,
             attention_splits,
             down_smem,
             moe_tokens_smem,
