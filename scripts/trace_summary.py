@@ -2,7 +2,7 @@
 """Summarises a decode-step block timeline written by `lily bench --trace FILE`.
 
     LILY_TRACE_RECORDS=200000 lily bench --synthetic --quant q4 --prompt 4096 --gen 32 --trace t.csv
-    python3 scripts/trace_summary.py t.csv [--launches] [--sms]
+    python3 scripts/trace_summary.py t.csv [--launches] [--sms] [--blocks NAME:GROUP ...]
 
 For each launch (in step order) the times are taken against the end of the previous launch's
 last block (`prev_end`): `start` when its first/last block started (negative: resident before the
@@ -20,9 +20,9 @@ consecutive block numbers (in placement order: x, then y, then z), each group's 
 wait and exit and its latest exit, over those launches: which blocks of a launch end last (e.g.
 `out_proj_route:129` parts its folded-router blocks, placed first, from its projection's).
 """
+import argparse
 import csv
 import statistics
-import sys
 from collections import OrderedDict, defaultdict
 
 
@@ -82,11 +82,40 @@ def block_groups(launches, name, group):
     )
 
 
+def block_spec(value):
+    """`--blocks`'s NAME:GROUP, as (name, group)."""
+    name, _, group = value.partition(":")
+    if not name or not group.isdigit() or int(group) == 0:
+        raise argparse.ArgumentTypeError(f"takes NAME:GROUP (GROUP blocks, at least 1), got '{value}'")
+    return name, int(group)
+
+
+def arguments(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Summarises a decode-step block timeline written by `lily bench --trace FILE`."
+    )
+    parser.add_argument("trace", help="the CSV that `lily bench --trace` wrote")
+    parser.add_argument("--launches", action="store_true", help="a row for every launch as well")
+    parser.add_argument("--sms", action="store_true", help="working SMs and their spans per launch name")
+    parser.add_argument(
+        "--blocks",
+        type=block_spec,
+        action="append",
+        default=[],
+        metavar="NAME:GROUP",
+        help="the blocks of the launches named NAME, in groups of GROUP block numbers (repeatable)",
+    )
+    return parser, parser.parse_args(argv)
+
+
 def main():
-    path = sys.argv[1]
-    per_launch = "--launches" in sys.argv
-    with open(path) as f:
-        launches = read(f)
+    parser, args = arguments()
+    try:
+        with open(args.trace) as f:
+            launches = read(f)
+    except OSError as e:
+        parser.error(f"cannot read the trace {args.trace}: {e.strerror}")
+    per_launch = args.launches
     rows = []
     prev_end = None
     for key, e in launches.items():
@@ -155,19 +184,14 @@ def main():
             gaps[r["name"]].append(r["first_wait"])
     print("release after the previous launch's last exit (first wait, us): "
           + ", ".join(f"{n} {statistics.mean(v) / 1e3:.2f}" for n, v in gaps.items()))
-    if "--sms" in sys.argv:
+    if args.sms:
         print("\nper launch name: SMs that worked (a block past its wait), median us one held the launch")
         for name, (sms, span) in sm_spans(launches).items():
             print(f"{name:<20} {sms:>6.1f} {span / 1e3:>9.2f}")
-    for arg in sys.argv[2:]:
-        if not arg.startswith("--blocks="):
-            continue
-        name, _, group = arg[len("--blocks="):].partition(":")
-        if not name or not group.isdigit() or int(group) == 0:
-            sys.exit(f"trace_summary.py: --blocks takes NAME:GROUP (GROUP blocks, at least 1), got '{arg}'")
+    for name, group in args.blocks:
         print(f"\n{name}: blocks in groups of {group}, mean us from the previous launch's last exit")
         print("{:>7} {:>9} {:>9} {:>9} {:>9}".format("blocks", "start", "wait", "exit", "last exit"))
-        for first, (start, wait, end, last) in block_groups(launches, name, int(group)).items():
+        for first, (start, wait, end, last) in block_groups(launches, name, group).items():
             shown = "-" if wait is None else f"{wait / 1e3:.2f}"
             print(f"{first:>7} {start / 1e3:>9.2f} {shown:>9} {end / 1e3:>9.2f} {last / 1e3:>9.2f}")
 

@@ -102,11 +102,26 @@ def test_script_prints_block_groups(tmp_path):
     assert table[3].split() == ["1", "-0.50", "0.60", "4.00", "4.00"]
 
 
-@pytest.mark.parametrize("arg", ["--blocks=split", "--blocks=split:0", "--blocks=split:x", "--blocks=:4"])
-def test_script_names_a_malformed_blocks_argument(tmp_path, arg):
+@pytest.mark.parametrize("value", ["split", "split:0", "split:x", ":4"])
+def test_script_names_a_malformed_blocks_argument(tmp_path, value):
     trace = tmp_path / "t.csv"
     trace.write_text("\n".join(csv_lines()) + "\n")
-    done = subprocess.run([sys.executable, str(SCRIPT), str(trace), arg], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(trace), f"--blocks={value}"], capture_output=True, text=True
+    )
     assert done.returncode != 0
-    assert f"--blocks takes NAME:GROUP (GROUP blocks, at least 1), got '{arg}'" in done.stderr
+    assert f"argument --blocks: takes NAME:GROUP (GROUP blocks, at least 1), got '{value}'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_script_names_a_missing_trace_and_an_unknown_option(tmp_path):
+    missing = tmp_path / "none.csv"
+    done = subprocess.run([sys.executable, str(SCRIPT), str(missing)], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert f"cannot read the trace {missing}" in done.stderr
+    assert "Traceback" not in done.stderr
+    trace = tmp_path / "t.csv"
+    trace.write_text("\n".join(csv_lines()) + "\n")
+    done = subprocess.run([sys.executable, str(SCRIPT), str(trace), "--threads=4"], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "unrecognized arguments: --threads=4" in done.stderr
