@@ -183,14 +183,8 @@ __device__ __forceinline__ void publish_routing(unsigned* ready) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ready), "r"(1u) : "memory");
 }
 
-// Where the folded moe_gate_up's block (0, 0) fences the ids it stored and publishes them (by
-// warp 0, whose threads 0..top_k stored one each): 0 right after its row requests, 1 after the
-// staging's block barrier, 2 after the shared expert's slice, just before its rows are dotted.
-#ifndef ROUTING_FENCE_AT
-#define ROUTING_FENCE_AT 0
-#endif
-
-// The ids' writers fence, then thread 0 publishes. Called by warp 0 of block (0, 0) only.
+// The folded moe_gate_up's block (0, 0) publishes the ids its warp 0 stored (threads 0..top_k,
+// one each): the writers fence, then thread 0 sets the word. Called by the whole block.
 __device__ __forceinline__ void fence_and_publish_routing(int top_k, unsigned* ready) {
     if (threadIdx.x >= 32) return;
     if (threadIdx.x <= top_k) __threadfence();
@@ -744,16 +738,16 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     gate_up_refs(g, u, r.ids[slot] * d.intermediate, d.intermediate, first, refs);
     gate_up_load<BITS>(refs, g, pass);
     const bool writes_routing = blockIdx.x == 0 && slot == 0;
-    // Block (0, 0)'s fence holds each of its writing threads until that thread's earlier
-    // accesses are done, the rows just requested included: placed before a block barrier, it
-    // would hold the whole block for the rows' round trip (ROUTING_FENCE_AT in the folded path).
-    const bool publishes = folded && writes_routing && routing_ready != nullptr;
     if (folded) {
         // The ids go out to moe_down now (it reads the weights only after its wait).
         if (writes_routing && threadIdx.x < 32 && threadIdx.x <= d.top_k) ids_out[threadIdx.x] = r.ids[threadIdx.x];
-        if (publishes && ROUTING_FENCE_AT == 0) fence_and_publish_routing(d.top_k, routing_ready);
         if (holds) x_scale = stage_held<BITS, STAGERS>(src, norm_scale, d.eps, held, xs, scratch);
-        if (publishes && ROUTING_FENCE_AT == 1) fence_and_publish_routing(d.top_k, routing_ready);
+        // Fenced after the staging's block barrier: a fence holds its thread until the thread's
+        // earlier accesses are done, the rows just requested included, so before the barrier it
+        // held the whole block for the rows' round trip, and block (0, 0) ended most launches
+        // last (docs/BENCHMARKS.md, sixtieth session). The routing goes out about when it did:
+        // the fence still ends as the rows arrive.
+        if (writes_routing && routing_ready != nullptr) fence_and_publish_routing(d.top_k, routing_ready);
     }
     // The routing weights: for moe_down from block (0, 0), and where this block stages its
     // activations (weighted), for itself.
@@ -774,7 +768,6 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
     }
     // While the routed rows are in flight.
     if (folded) shared_slice_dot<BITS>(d, sg.group_shift, shared, slice, xs, x_scale);
-    if (publishes && ROUTING_FENCE_AT == 2) fence_and_publish_routing(d.top_k, routing_ready);
     float* shared_act = act + (size_t)d.top_k * max(d.intermediate, d.shared_intermediate);
 #if GATE_UP_BLOCK_ROWS == 32
     if (staged != nullptr) {
