@@ -91,9 +91,7 @@ def block_spec(value):
 
 
 def arguments(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Summarises a decode-step block timeline written by `lily bench --trace FILE`."
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", help="the CSV that `lily bench --trace` wrote")
     parser.add_argument("--launches", action="store_true", help="a row for every launch as well")
     parser.add_argument("--sms", action="store_true", help="working SMs and their spans per launch name")
@@ -115,7 +113,6 @@ def main():
             launches = read(f)
     except OSError as e:
         parser.error(f"cannot read the trace {args.trace}: {e.strerror}")
-    per_launch = args.launches
     rows = []
     prev_end = None
     for key, e in launches.items():
@@ -145,7 +142,7 @@ def main():
     head = "{:>5} {:<20} {:>6} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}".format(
         "#", "name", "blocks", "SMs", "1st start", "lst start", "1st wait", "med end", "end", "post-wait"
     )
-    if per_launch:
+    if args.launches:
         print("per launch, us from the previous launch's last exit")
         print(head)
         for r in rows:

@@ -183,8 +183,8 @@ __device__ __forceinline__ void publish_routing(unsigned* ready) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ready), "r"(1u) : "memory");
 }
 
-// The folded moe_gate_up's block (0, 0) publishes the ids its warp 0 stored (threads 0..top_k,
-// one each): the writers fence, then thread 0 sets the word. Called by the whole block.
+// moe_gate_up's block (0, 0) publishes the ids its warp 0 stored (threads 0..top_k, one each):
+// the writers fence, then thread 0 sets the word. Threads past warp 0 return at once.
 __device__ __forceinline__ void fence_and_publish_routing(int top_k, unsigned* ready) {
     if (threadIdx.x >= 32) return;
     if (threadIdx.x <= top_k) __threadfence();
@@ -756,15 +756,9 @@ __device__ void routed_gate_up_block(const MoeDims& d, const Weight& g, const We
         __syncwarp();
         if (writes_routing && threadIdx.x <= d.top_k) {
             weights_out[threadIdx.x] = r.weights[threadIdx.x];
-            if (!folded) {
-                ids_out[threadIdx.x] = r.ids[threadIdx.x];
-                if (routing_ready != nullptr) __threadfence();
-            }
+            if (!folded) ids_out[threadIdx.x] = r.ids[threadIdx.x];
         }
-        if (writes_routing && routing_ready != nullptr && !folded) {
-            __syncwarp();
-            if (threadIdx.x == 0) publish_routing(routing_ready);
-        }
+        if (writes_routing && routing_ready != nullptr && !folded) fence_and_publish_routing(d.top_k, routing_ready);
     }
     // While the routed rows are in flight.
     if (folded) shared_slice_dot<BITS>(d, sg.group_shift, shared, slice, xs, x_scale);
