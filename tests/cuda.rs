@@ -161,6 +161,54 @@ fn device_argmax_matches_host_argmax_and_forks_continue_identically() {
     gpu.new_state().expect("a dropped state frees its slot");
 }
 
+/// A slot's next sequence reads back its own ids: the previous one's last step, to the position
+/// where the next one's first lands, chose another id there, and the next one must not be told
+/// that one (the CUDA backend's steps tell the host their id through a word per slot).
+#[test]
+fn a_reused_slot_reads_back_its_new_sequences_ids() {
+    let dir = &fixtures()[0];
+    let model = Model::load(dir).unwrap();
+    let gpu = cuda(&model, 1);
+    let vocab = model.config.vocab_size as u32;
+    let prompt = &prompts(dir)[0];
+    let greedy_step =
+        |state: &mut CudaState, token: u32| gpu.decode_greedy(&mut [state], &[token]).unwrap()[0];
+    // The previous sequence: the prompt and one greedy step.
+    let mut previous = gpu.new_state().unwrap();
+    let first = argmax(&gpu.prefill(&mut previous, prompt, LogitsFor::Last).unwrap());
+    let previous_id = greedy_step(&mut previous, first);
+    drop(previous);
+    // The next one: a prompt of the same length whose first greedy id differs, its ids taken
+    // by the host's argmax of the logits (no id read back)...
+    let (other, expected) = (1..vocab)
+        .find_map(|shift| {
+            let mut other = prompt.clone();
+            other[0] = (other[0] + shift) % vocab;
+            let mut state = gpu.new_state().unwrap();
+            let mut token = argmax(&gpu.prefill(&mut state, &other, LogitsFor::Last).unwrap());
+            let mut ids = Vec::new();
+            for _ in 0..4 {
+                token = argmax(&gpu.decode(&mut [&mut state], &[token]).unwrap());
+                ids.push(token);
+            }
+            (ids[0] != previous_id).then_some((other, ids))
+        })
+        .expect("some prompt of the same length chooses another first id");
+    // ... then again in the slot, greedy, after the previous sequence's step once more.
+    let mut previous = gpu.new_state().unwrap();
+    gpu.prefill(&mut previous, prompt, LogitsFor::Last).unwrap();
+    assert_eq!(greedy_step(&mut previous, first), previous_id);
+    drop(previous);
+    let mut next = gpu.new_state().unwrap();
+    let mut token = argmax(&gpu.prefill(&mut next, &other, LogitsFor::Last).unwrap());
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        token = greedy_step(&mut next, token);
+        ids.push(token);
+    }
+    assert_eq!(ids, expected);
+}
+
 /// Runs (`decode_run`, which a backend may pipeline, queueing each step before the previous id
 /// is read back) pass the ids that step-by-step decoding chooses, greedy and drawn, stop when
 /// told, and end at the context limit with the same ids and the same error.

@@ -198,9 +198,11 @@ impl CudaBackend {
             rows,
         )?;
         let n = c.vocab_size as i32;
-        let chosen = match seqs {
-            StepSeqs::Slot(_) => 0,
-            StepSeqs::Batch(..) => ptr(&sc.chosen, s),
+        // One slot's step tells the host its id through the slot's mapped word; a batch's
+        // are read back from `chosen`.
+        let (chosen, announce) = match seqs {
+            StepSeqs::Slot(slot) => (0, slot.announce.device_address()),
+            StepSeqs::Batch(..) => (ptr(&sc.chosen, s), 0),
         };
         match end {
             StepEnd::Greedy => {
@@ -215,7 +217,8 @@ impl CudaBackend {
                     )
                 }?;
                 let parts = ARGMAX_BLOCKS as i32;
-                // SAFETY: one warp over each row's partials; chosen holds a row each.
+                // SAFETY: one warp over each row's partials; chosen holds a row each; announce (when not
+                // 0) is the slot's mapped 8-byte word.
                 unsafe {
                     self.launch(
                         "argmax_final",
@@ -230,6 +233,7 @@ impl CudaBackend {
                             arg(&token_of),
                             arg(&position_of),
                             arg(&chosen),
+                            arg(&announce),
                         ],
                     )
                 }?;
@@ -270,7 +274,8 @@ impl CudaBackend {
                 }?;
                 let blocks_arg = blocks as i32;
                 // SAFETY: one block over each row's partials; desc is the slot's settings, the
-                // history a word per id of the vocabulary.
+                // history a word per id of the vocabulary; announce (when not 0) is the slot's
+                // mapped 8-byte word.
                 unsafe {
                     self.launch(
                         "sample_finish",
@@ -291,6 +296,7 @@ impl CudaBackend {
                             arg(&history_of),
                             arg(&chosen),
                             arg(&parts),
+                            arg(&announce),
                         ],
                     )
                 }?;

@@ -1262,6 +1262,7 @@ impl Backend for CudaBackend {
             .context("all CUDA sequence slots are in use")?;
         let mut slots = self.lock_slots()?;
         let sl = &mut slots[slot];
+        sl.announce.clear();
         self.stream.memset_zeros(&mut sl.position)?;
         for c in &mut sl.conv {
             self.stream.memset_zeros(c)?;

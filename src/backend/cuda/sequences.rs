@@ -7,8 +7,9 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex};
 
-use anyhow::{Result, ensure};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DeviceRepr};
+use anyhow::{Context, Result, ensure};
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
 
 use super::CudaBackend;
 use super::decode::StepSeqs;
@@ -128,10 +129,72 @@ pub(super) struct Graph(pub(super) CudaGraph);
 // current; cudarc binds the context before every launch. The backend serialises launches.
 unsafe impl Send for Graph {}
 
+/// Eight bytes of page-locked host memory mapped into the device, through which one slot's
+/// steps tell the host the id they chose (`announce_choice` in sample.cu): the host polls it
+/// instead of copying the token back, which waits for the whole step and then for a copy.
+pub(super) struct MappedWord {
+    /// Owns the allocation (freed on drop).
+    _allocation: PinnedHostSlice<u64>,
+    /// Its one u64, as the host reads it.
+    host: *mut u64,
+    device: u64,
+}
+
+// SAFETY: `host` points into the allocation the struct owns, which lives as long as it; the
+// host only reads the word (volatile), the device only writes it.
+unsafe impl Send for MappedWord {}
+// SAFETY: as for Send.
+unsafe impl Sync for MappedWord {}
+
+impl MappedWord {
+    fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        // SAFETY: the word is written below before anything reads it.
+        let mut allocation = unsafe {
+            stream
+                .context()
+                .alloc_pinned_with_flags::<u64>(1, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        }?;
+        let word = allocation.as_mut_ptr()?;
+        // SAFETY: `word` is the allocation's one u64; nothing on the device uses it yet.
+        unsafe { word.write_volatile(0) };
+        let mut device = 0;
+        // SAFETY: `word` was allocated with CU_MEMHOSTALLOC_DEVICEMAP in the stream's context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, word.cast(), 0) }
+            .result()
+            .context("mapping a page-locked word into the device")?;
+        Ok(Self {
+            _allocation: allocation,
+            host: word,
+            device,
+        })
+    }
+
+    /// The word's address on the device.
+    pub(super) fn device_address(&self) -> u64 {
+        self.device
+    }
+
+    /// Forgets what an earlier sequence of the slot was told (before a new one starts at
+    /// position 0, whose steps would otherwise find their positions already there).
+    pub(super) fn clear(&self) {
+        // SAFETY: as in `read`; no step of the slot is in flight (each one's word was read).
+        unsafe { self.host.write_volatile(0) }
+    }
+
+    /// The word as the device last wrote it.
+    fn read(&self) -> u64 {
+        // SAFETY: the allocation's one u64, aligned; the device may write it at any time, so
+        // it is read volatile, in one 8-byte load (as the device stores it).
+        unsafe { self.host.read_volatile() }
+    }
+}
+
 /// The device memory of one sequence.
 pub(super) struct Slot {
     pub(super) position: CudaSlice<i32>,
     pub(super) token: CudaSlice<i32>,
+    /// Where the slot's greedy and sampled steps tell the host their id.
+    pub(super) announce: MappedWord,
     /// Per attention layer: keys and values, bf16 `[max_context, kv_heads, head_dim]`.
     pub(super) kv: Vec<(CudaSlice<u16>, CudaSlice<u16>)>,
     /// Per DeltaNet layer: conv input ring `[kernel, conv_dim]` and recurrent state.
@@ -289,6 +352,7 @@ impl CudaBackend {
         let mut slot = Slot {
             position: stream.alloc_zeros::<i32>(1)?,
             token: stream.alloc_zeros::<i32>(1)?,
+            announce: MappedWord::new(stream)?,
             kv: Vec::new(),
             conv: Vec::new(),
             recurrent: Vec::new(),
@@ -487,9 +551,43 @@ impl CudaBackend {
     /// The token the last step chose on the device (it stays there as the next input).
     pub(super) fn read_token(&self, state: &mut CudaState) -> Result<u32> {
         let slots = self.lock_slots()?;
-        let id = self.stream.clone_dtoh(&slots[state.slot].token)?[0] as u32;
+        let slot = &slots[state.slot];
+        // The step's word carries the position after it, which `step` has already counted.
+        let position = u32::try_from(state.position).context("position out of range")?;
+        let mut polls = 0u32;
+        let id = loop {
+            let word = slot.announce.read();
+            if (word >> 32) as u32 == position {
+                break word as u32;
+            }
+            polls = polls.wrapping_add(1);
+            // Now and then, whether the stream has ended (or failed) without the word: then the
+            // token is copied back as before, so that a missing word costs time, never a hang.
+            if polls.is_multiple_of(4096) && !self.stream_busy()? {
+                let word = slot.announce.read();
+                if (word >> 32) as u32 == position {
+                    break word as u32;
+                }
+                tracing::warn!(slot = state.slot, position, "a step's id was not announced");
+                break self.stream.clone_dtoh(&slot.token)?[0] as u32;
+            }
+            std::hint::spin_loop();
+        };
         state.device_token = Some(id);
         Ok(id)
+    }
+
+    /// Whether work queued on the stream is still running (an error it ended with comes back).
+    fn stream_busy(&self) -> Result<bool> {
+        // SAFETY: the stream is the backend's own, alive for as long as it is.
+        match unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } {
+            CUresult::CUDA_SUCCESS => Ok(false),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(true),
+            other => {
+                other.result().context("the decode step failed")?;
+                Ok(false)
+            }
+        }
     }
 
     /// Copies the logits of the last step's row `row` to the host.

@@ -7,6 +7,16 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
     if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
 }
 
+// The step's chosen id told to the host: (position after the step << 32) | id, one 8-byte store
+// into page-locked host memory mapped into the device (`announce`, a slot's word; null: none),
+// which the host polls instead of copying the token back after the step. The position tells
+// this step's word from the previous one's.
+__device__ __forceinline__ void announce_choice(unsigned long long* announce, int position, int id) {
+    if (announce != nullptr)
+        *reinterpret_cast<volatile unsigned long long*>(announce) =
+            (unsigned long long)(unsigned)position << 32 | (unsigned)id;
+}
+
 // The best (value, id) of the block, in warp 0 (ties to the lower id); vals/idxs: 32 entries
 // of shared memory the block has not used yet (or left behind a barrier).
 __device__ __forceinline__ void block_best(float& v, int& i, float* vals, int* idxs) {
@@ -41,11 +51,13 @@ extern "C" __global__ void __launch_bounds__(256) argmax_partial(const float* lo
 }
 
 // One warp per row (blockIdx.y): the overall argmax becomes the next input token, also written
-// to chosen[row] when `chosen` is non-null; the position advances. Batched, the row's sequence's
+// to chosen[row] when `chosen` is non-null and told to the host through `announce` (one
+// sequence's step, see announce_choice); the position advances. Batched, the row's sequence's
 // token and position come from the tables (see seq_buffer).
 extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_val, const int* part_idx, int parts, int* token,
                                         int* position, const unsigned long long* token_of,
-                                        const unsigned long long* position_of, int* chosen) {
+                                        const unsigned long long* position_of, int* chosen,
+                                        unsigned long long* announce) {
     TRACE_BLOCK();
     wait_for_previous_kernel();
     const int row = blockIdx.y;
@@ -63,8 +75,10 @@ extern "C" __global__ void __launch_bounds__(32) argmax_final(const float* part_
     if (lane == 0) {
         const int id = idx < 0x7fffffff ? idx : 0;
         token[0] = id;
-        position[0] += 1;
+        const int next = position[0] + 1;
+        position[0] = next;
         if (chosen != nullptr) chosen[row] = id;
+        announce_choice(announce, next, id);
     }
 }
 
@@ -767,7 +781,8 @@ __device__ void filtered_draw(const float* logits, int n, const SamplingDesc& d,
 
 // Pass 2 of a draw: the next token from sample_scan's `blocks` partials (of `slice` logits each)
 // of row blockIdx.y, with the slot's sampling settings; it becomes the next input token (also
-// written to chosen[row] when `chosen` is non-null), the position advances, and a penalised
+// written to chosen[row] when `chosen` is non-null, and told to the host through `announce`
+// as argmax_final does), the position advances, and a penalised
 // draw counts it in the slot's history. One block of SAMPLE_THREADS threads per row; batched,
 // the row's sequence's settings, token, position and history come from the tables (see
 // seq_buffer).
@@ -779,7 +794,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_finish(const
                                                                           const unsigned long long* position_of,
                                                                           uint32_t* history,
                                                                           const unsigned long long* history_of,
-                                                                          int* chosen, SampleParts parts) {
+                                                                          int* chosen, SampleParts parts,
+                                                                          unsigned long long* announce) {
     TRACE_BLOCK();
     __shared__ float vals[32];
     __shared__ int idxs[32];
@@ -803,8 +819,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_finish(const
     if (threadIdx.x == 0) {
         const int id = best_id < n ? best_id : 0;
         token[0] = id;
-        position[0] += 1;
+        const int next = position[0] + 1;
+        position[0] = next;
         if (chosen != nullptr) chosen[row] = id;
+        announce_choice(announce, next, id);
         // The settings read again rather than kept live across the draw (register pressure).
         if (penalises(*seq_buffer(desc, desc_of, row))) {
             history = seq_buffer(history, history_of, row);
