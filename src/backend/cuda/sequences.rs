@@ -141,7 +141,8 @@ pub(super) struct MappedWord {
 }
 
 // SAFETY: `host` points into the allocation the struct owns, which lives as long as it; the
-// host only reads the word (volatile), the device only writes it.
+// device only writes the word, the host reads it (volatile) and clears it only while no step
+// of the slot is in flight.
 unsafe impl Send for MappedWord {}
 // SAFETY: as for Send.
 unsafe impl Sync for MappedWord {}
@@ -579,6 +580,7 @@ impl CudaBackend {
 
     /// Whether work queued on the stream is still running (an error it ended with comes back).
     fn stream_busy(&self) -> Result<bool> {
+        self.stream.context().bind_to_thread()?;
         // SAFETY: the stream is the backend's own, alive for as long as it is.
         match unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } {
             CUresult::CUDA_SUCCESS => Ok(false),
