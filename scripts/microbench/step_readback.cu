@@ -12,6 +12,10 @@
 //   pinned+ev  the same, waited on an event recorded after the copy (cudaEventSynchronize)
 //   mapped     the last kernel stores the id into mapped host memory; the host, which set the
 //              word to a sentinel before the launch, spins until it changes
+//   ... alt    back to back and mapped again, alternating between two instantiations of the
+//              same graph, so that no launch finds its own exec still in flight (back to back,
+//              one exec, measured ~54 us a step slower than mapped on an H100: is that the
+//              relaunch of an exec in flight, or the queue of steps?)
 // The difference to `back to back` is what each way adds to every decoded token.
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o step_readback scripts/microbench/step_readback.cu
 //   ./step_readback [LAUNCHES [SPIN_NS [STEPS]]]    (defaults 224, 5000, 400)
@@ -94,6 +98,8 @@ int main(int argc, char** argv) {
     CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     cudaGraphExec_t plain = capture(s, launches, spin_ns, counter, id_device, nullptr);
     cudaGraphExec_t with_host = capture(s, launches, spin_ns, counter, id_device, mapped_dev);
+    cudaGraphExec_t plain_twin = capture(s, launches, spin_ns, counter, id_device, nullptr);
+    cudaGraphExec_t with_host_twin = capture(s, launches, spin_ns, counter, id_device, mapped_dev);
 
     using clock = std::chrono::steady_clock;
     auto per_step = [&](auto step) {
@@ -141,11 +147,23 @@ int main(int argc, char** argv) {
         }
         check_id(id);
     });
+    int flip = 0;
+    const double back_to_back_alt = per_step([&] { CHECK(cudaGraphLaunch((flip ^= 1) ? plain_twin : plain, s)); });
+    CHECK(cudaMemcpy(&last, id_device, sizeof(int), cudaMemcpyDeviceToHost));
+    const double mapped_alt_us = per_step([&] {
+        volatile int* word = mapped;
+        *word = -1;
+        CHECK(cudaGraphLaunch((flip ^= 1) ? with_host_twin : with_host, s));
+        int id;
+        while ((id = *word) == -1) {
+        }
+        check_id(id);
+    });
     CHECK(cudaStreamSynchronize(s));
     printf("%d launches of %u ns spin, %d steps; us per step (and over back to back)\n", launches, spin_ns, steps);
     printf("back to back  %9.2f\n", back_to_back);
-    const char* names[] = {"pageable", "pinned", "pinned+ev", "mapped"};
-    const double us[] = {pageable_us, pinned_us, event_us, mapped_us};
-    for (int i = 0; i < 4; ++i) printf("%-12s  %9.2f  (+%.2f)\n", names[i], us[i], us[i] - back_to_back);
+    const char* names[] = {"pageable", "pinned", "pinned+ev", "mapped", "b2b alt", "mapped alt"};
+    const double us[] = {pageable_us, pinned_us, event_us, mapped_us, back_to_back_alt, mapped_alt_us};
+    for (int i = 0; i < 6; ++i) printf("%-12s  %9.2f  (+%.2f)\n", names[i], us[i], us[i] - back_to_back);
     return 0;
 }
