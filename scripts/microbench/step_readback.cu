@@ -19,19 +19,9 @@
 // The difference to `back to back` is what each way adds to every decoded token.
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o step_readback scripts/microbench/step_readback.cu
 //   ./step_readback [LAUNCHES [SPIN_NS [STEPS]]]    (defaults 224, 5000, 400)
-#include <cuda_runtime.h>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
 
-#define CHECK(x)                                                                               \
-    do {                                                                                       \
-        cudaError_t e = (x);                                                                   \
-        if (e != cudaSuccess) {                                                                \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));           \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include "chain_host.h"
 
 __device__ __forceinline__ unsigned long long now_ns() {
     unsigned long long t;

@@ -217,8 +217,8 @@ impl CudaBackend {
                     )
                 }?;
                 let parts = ARGMAX_BLOCKS as i32;
-                // SAFETY: one warp over each row's partials; chosen holds a row each; announce (when not
-                // 0) is the slot's mapped 8-byte word.
+                // SAFETY: one warp over each row's partials; chosen holds a row each; announce
+                // (when not 0) is the slot's mapped 8-byte word.
                 unsafe {
                     self.launch(
                         "argmax_final",

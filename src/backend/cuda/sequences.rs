@@ -557,18 +557,16 @@ impl CudaBackend {
         let position = u32::try_from(state.position).context("position out of range")?;
         let mut polls = 0u32;
         let id = loop {
+            polls = polls.wrapping_add(1);
+            // Now and then, whether the stream has ended (or failed), asked before the read so
+            // that the word read after an ended stream is its last: if it is not the step's,
+            // the token is copied back as before, so a missing word costs time, never a hang.
+            let ended = polls.is_multiple_of(4096) && !self.stream_busy()?;
             let word = slot.announce.read();
             if (word >> 32) as u32 == position {
                 break word as u32;
             }
-            polls = polls.wrapping_add(1);
-            // Now and then, whether the stream has ended (or failed) without the word: then the
-            // token is copied back as before, so that a missing word costs time, never a hang.
-            if polls.is_multiple_of(4096) && !self.stream_busy()? {
-                let word = slot.announce.read();
-                if (word >> 32) as u32 == position {
-                    break word as u32;
-                }
+            if ended {
                 tracing::warn!(slot = state.slot, position, "a step's id was not announced");
                 break self.stream.clone_dtoh(&slot.token)?[0] as u32;
             }
